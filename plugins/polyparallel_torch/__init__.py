@@ -1,0 +1,1 @@
+"""PyTorch runtime plugin for polyparallel."""

@@ -1,0 +1,56 @@
+"""polyparallel: one parallel-training strategy for every framework.
+
+Build one :class:`Strategy` (a :class:`Topology` of named axes plus policies) and hand it to any
+framework through its plugin. Importing this package imports no framework and loads no plugin:
+plugins are discovered through the ``polyparallel`` entry-point group on first use.
+"""
+
+from __future__ import annotations
+
+from ._capabilities import Capabilities
+from ._errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    LaunchError,
+    NoPluginError,
+    PluginError,
+    PolyparallelError,
+    TopologyError,
+    UnsupportedTopologyError,
+)
+from ._launch import launch
+from ._manager import PluginManager, get_plugin_manager, hookimpl
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
+from ._session import ProcessInfo, Session
+from ._strategy import Strategy
+from ._topology import AXES, Topology
+from .hookspecs import hookspec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AXES",
+    "Capabilities",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "DataPolicy",
+    "GradPolicy",
+    "LaunchError",
+    "Mean",
+    "MetricPolicy",
+    "NoPluginError",
+    "PluginError",
+    "PluginManager",
+    "PolyparallelError",
+    "ProcessInfo",
+    "Session",
+    "StatePolicy",
+    "Strategy",
+    "Topology",
+    "TopologyError",
+    "UnsupportedTopologyError",
+    "get_plugin_manager",
+    "hookimpl",
+    "hookspec",
+    "launch",
+]

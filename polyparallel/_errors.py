@@ -1,0 +1,58 @@
+"""The exceptions polyparallel raises. Every message says what was received and what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PolyparallelError",
+    "TopologyError",
+    "UnsupportedTopologyError",
+    "NoPluginError",
+    "PluginError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "LaunchError",
+]
+
+
+class PolyparallelError(Exception):
+    """Base class of every polyparallel error."""
+
+
+class TopologyError(PolyparallelError, ValueError):
+    """A topology or strategy is invalid, or does not fit the world it is launched into."""
+
+
+class UnsupportedTopologyError(TopologyError):
+    """A plugin declared it cannot run this topology (refused before launch)."""
+
+
+class NoPluginError(PolyparallelError, TypeError):
+    """No installed plugin handles this object or adapter name."""
+
+
+class PluginError(PolyparallelError):
+    """An exception raised inside a plugin's hook, re-raised with the plugin's name."""
+
+    def __init__(self, plugin: str, hook: str, error: BaseException):
+        self.plugin, self.hook, self.error = plugin, hook, error
+        super().__init__(f"plugin {plugin!r} failed in {hook}: {type(error).__name__}: {error}")
+
+
+class CollectiveError(PolyparallelError, RuntimeError):
+    """A collective failed. Names the operation, the axis and the rank."""
+
+    def __init__(self, message: str, *, operation: str, axis: str, rank: int):
+        self.operation, self.axis, self.rank = operation, axis, rank
+        super().__init__(message)
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within the strategy's timeout (a peer never joined)."""
+
+
+class LaunchError(PolyparallelError, RuntimeError):
+    """A launched process failed; carries the failing rank and its traceback text."""
+
+    def __init__(self, message: str, *, rank: int | None = None, traceback: str = ""):
+        self.rank, self.traceback = rank, traceback
+        super().__init__(message)

@@ -1,0 +1,299 @@
+"""The plugin manager: lazy, idempotent entry-point loading and error-translating dispatch."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.metadata
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from . import hookspecs
+from ._capabilities import Capabilities
+from ._errors import NoPluginError, PluginError, PolyparallelError
+from ._session import ProcessInfo, Session, process_info_from_env
+
+if TYPE_CHECKING:
+    from ._strategy import Strategy
+
+__all__ = ["PluginManager", "PluginInfo", "Adapter", "get_plugin_manager", "hookimpl", "ENTRY_POINT_GROUP"]
+
+ENTRY_POINT_GROUP = "polyparallel"
+DISABLE_AUTOLOAD_ENV = "POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD"
+PLUGINS_ENV = "POLYPARALLEL_PLUGINS"
+
+hookimpl = pluggy.HookimplMarker("polyparallel")
+
+
+class _CorePlugin:
+    """The core's own defaults, registered like any plugin and overridable by all of them."""
+
+    @hookimpl(trylast=True)
+    def polyparallel_process_info(self) -> ProcessInfo:
+        return process_info_from_env()
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """A loaded plugin: its name, the distribution that shipped it, and its hooks."""
+
+    name: str
+    module: str
+    dist: str | None = None
+    version: str | None = None
+    hooks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A registered framework adapter (``Strategy.adapt(name)``)."""
+
+    name: str
+    factory: Callable[..., Any]
+    capabilities: Capabilities
+    plugin: str
+    description: str = ""
+
+
+class PluginManager:
+    """Wraps a ``pluggy.PluginManager`` for the ``polyparallel`` project.
+
+    Entry points are loaded on first use of :attr:`hook` (never at import time), once.
+    ``POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD=1`` loads none of them except those named in
+    ``POLYPARALLEL_PLUGINS=a,b`` (entry-point names, or importable module names). A broken entry
+    point is reported with a warning naming it, and the others keep working.
+    """
+
+    def __init__(self, *, autoload: bool = True):
+        self._pm = pluggy.PluginManager("polyparallel")
+        self._pm.add_hookspecs(hookspecs)
+        self._autoload = autoload
+        self._loaded = False
+        self._lock = threading.RLock()
+        self._infos: dict[str, PluginInfo] = {}
+        self._adapters: dict[str, Adapter] | None = None
+        self._sessions: dict[Strategy, Session] = {}
+        self._atexit_registered = False
+        self.register(_CorePlugin(), name="polyparallel.core")
+
+    # -- loading ---------------------------------------------------------------------------------
+    @property
+    def hook(self) -> Any:
+        """The hook relay; loads plugins on first access."""
+        if not self._loaded:
+            self.load()
+        return self._pm.hook
+
+    def load(self) -> None:
+        """Load entry-point plugins (idempotent)."""
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            disabled = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+            wanted = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+            found: set[str] = set()
+            for dist, ep in _entry_points():
+                if not self._autoload or (disabled and ep.name not in wanted):
+                    continue
+                found.add(ep.name)
+                if self._pm.has_plugin(ep.name):
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # a broken third-party plugin must not break the rest
+                    warnings.warn(
+                        f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from "
+                        f"{dist.metadata['Name']}: {type(exc).__name__}: {exc}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
+            for name in wanted:
+                if name not in found and not self._pm.has_plugin(name):
+                    try:
+                        self.register(importlib.import_module(name), name=name)
+                    except ImportError as exc:
+                        warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
+                                      f"nor an importable module: {exc}", RuntimeWarning, stacklevel=2)
+
+    def register(self, plugin: object, name: str | None = None, *, dist: str | None = None, version: str | None = None) -> str:
+        """Register a plugin object or module (hook implementations marked with ``@hookimpl``)."""
+        with self._lock:
+            registered = self._pm.register(plugin, name=name)
+            assert registered is not None
+            module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+            hooks = tuple(sorted(h.name for h in self._pm.get_hookcallers(plugin) or ()))
+            self._infos[registered] = PluginInfo(registered, module, dist, version, hooks)
+            self._adapters = None
+            return registered
+
+    def unregister(self, name: str) -> None:
+        """Remove a plugin by name."""
+        with self._lock:
+            self._pm.unregister(name=name)
+            self._infos.pop(name, None)
+            self._adapters = None
+
+    def is_blocked(self, name: str) -> bool:
+        return self._pm.is_blocked(name)
+
+    def set_blocked(self, name: str) -> None:
+        """Block a plugin name: it will not be registered, now or on later loads."""
+        self._pm.set_blocked(name)
+        self._infos.pop(name, None)
+        self._adapters = None
+
+    def plugins(self) -> list[PluginInfo]:
+        """The loaded plugins, the core's own defaults first."""
+        self.load()
+        return list(self._infos.values())
+
+    # -- dispatch ------------------------------------------------------------------------------
+    def call(self, hook_name: str, **kwargs: Any) -> Any:
+        """Call a hook; an exception from a plugin is re-raised naming the plugin."""
+        caller = getattr(self.hook, hook_name)
+        try:
+            return caller(**kwargs)
+        except Exception as exc:
+            plugin = _plugin_in_traceback(caller, exc.__traceback__)
+            if plugin is None:
+                raise
+            if isinstance(exc, PolyparallelError):
+                _note(exc, f"raised by plugin {plugin!r} in {hook_name}")
+                raise
+            raise PluginError(plugin, hook_name, exc) from exc
+
+    def dispatch(self, operation: str, subject: Any, **kwargs: Any) -> Any:
+        """Call the firstresult hook of an operation; turn "nobody answered" into an error."""
+        result = self.call(f"polyparallel_{operation}", **kwargs)
+        if result is None:
+            raise NoPluginError(self._nobody_answered(operation, subject))
+        return result
+
+    def _nobody_answered(self, operation: str, subject: Any) -> str:
+        kind = type(subject)
+        top = kind.__module__.split(".")[0]
+        installed = ", ".join(
+            f"{p.name} ({p.dist or p.module}{' ' + p.version if p.version else ''})"
+            for p in self._infos.values() if p.name != "polyparallel.core"
+        ) or "none"
+        extras = _extras()
+        hint = (f" To handle {top} objects: pip install 'polyparallel[{top}]'." if top in extras else
+                f" Install a plugin for {top} objects (extras: {', '.join(sorted(extras))}), or write one (CONTRIBUTING.md).")
+        return (f"No polyparallel plugin handles {operation} for an object of type "
+                f"{kind.__module__}.{kind.__qualname__}. Installed plugins: {installed}.{hint}")
+
+    # -- adapters and capabilities -------------------------------------------------------------------
+    def adapters(self) -> dict[str, Adapter]:
+        """Adapter name -> :class:`Adapter`, collected from ``polyparallel_register_adapters``."""
+        with self._lock:
+            if self._adapters is None:
+                self._adapters = {}
+                for impl in reversed(self.hook.polyparallel_register_adapters.get_hookimpls()):
+                    def register(name: str, factory: Callable[..., Any], capabilities: Capabilities | None = None,
+                                 description: str = "", _plugin: str = impl.plugin_name) -> None:
+                        caps = capabilities or Capabilities(target=name)
+                        caps = Capabilities(name, caps.axes, caps.features, _plugin)
+                        self._adapters[name] = Adapter(name, factory, caps, _plugin, description)  # type: ignore[index]
+                    impl.function(**_subset(impl.argnames, register=register))
+            return dict(self._adapters)
+
+    def capabilities(self) -> dict[str, Capabilities]:
+        """Target name -> :class:`Capabilities`, for runtimes and adapters."""
+        result: dict[str, Capabilities] = {}
+        for impl in self.hook.polyparallel_capabilities.get_hookimpls():
+            declared = impl.function()
+            for caps in declared if isinstance(declared, list) else [declared] if declared else []:
+                result[caps.target] = Capabilities(caps.target, caps.axes, caps.features, impl.plugin_name)
+        for adapter in self.adapters().values():
+            result[adapter.name] = adapter.capabilities
+        return result
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def session(self, strategy: Strategy) -> Session:
+        """This process's :class:`Session` for ``strategy``, created on first use."""
+        try:
+            return self._sessions[strategy]
+        except KeyError:
+            pass
+        with self._lock:
+            if strategy not in self._sessions:
+                info = self.call("polyparallel_process_info", strategy=strategy)
+                session = Session(strategy, self, info)
+                self._sessions[strategy] = session
+                if not self._atexit_registered:
+                    atexit.register(self.close_sessions)
+                    self._atexit_registered = True
+                self.call("polyparallel_session_start", session=session)
+            return self._sessions[strategy]
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def close_sessions(self) -> None:
+        """Close every open session (runs at interpreter exit)."""
+        for session in list(self._sessions.values()):
+            session.close()
+
+    def _forget_session(self, session: Session) -> None:
+        if self._sessions.get(session.strategy) is session:
+            del self._sessions[session.strategy]
+
+
+def _subset(argnames: tuple[str, ...], **available: Any) -> dict[str, Any]:
+    return {k: v for k, v in available.items() if k in argnames}
+
+
+def _note(exc: BaseException, text: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(text)
+
+
+def _plugin_in_traceback(caller: Any, tb: TracebackType | None) -> str | None:
+    """The plugin whose hook implementation the exception passed through (innermost)."""
+    codes = {impl.function.__code__: impl.plugin_name for impl in caller.get_hookimpls()
+             if hasattr(impl.function, "__code__")}
+    found = None
+    while tb is not None:
+        found = codes.get(tb.tb_frame.f_code, found)
+        tb = tb.tb_next
+    return found
+
+
+def _entry_points() -> Iterator[tuple[importlib.metadata.Distribution, importlib.metadata.EntryPoint]]:
+    seen: set[tuple[str, str]] = set()
+    for dist in importlib.metadata.distributions():
+        for ep in dist.entry_points:
+            if ep.group == ENTRY_POINT_GROUP and (ep.name, ep.value) not in seen:
+                seen.add((ep.name, ep.value))
+                yield dist, ep
+
+
+def _extras() -> set[str]:
+    try:
+        return set(importlib.metadata.metadata("polyparallel").get_all("Provides-Extra") or ())
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+
+
+_default: PluginManager | None = None
+_default_lock = threading.Lock()
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process's default plugin manager (created on first call; plugins load on first use)."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = PluginManager()
+    return _default

@@ -1,0 +1,183 @@
+"""Policies: immutable, picklable value objects that say *how* each operation behaves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+__all__ = ["DataPolicy", "GradPolicy", "MetricPolicy", "StatePolicy", "Mean", "REDUCE_OPS"]
+
+#: Reduction ops for plain metric values and gradients.
+REDUCE_OPS = ("mean", "sum", "max", "min")
+#: What ``sync_states`` does with a state collection.
+STATE_ACTIONS = ("mean", "broadcast", "local")
+#: What ``shard_data`` does when the data set does not divide over the data axis.
+REMAINDERS = ("pad", "drop", "uneven")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}. Received: {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class DataPolicy:
+    """How ``shard_data`` splits data over the data axis.
+
+    :param batch_size: the *global* batch size (summed over data-parallel ranks); each data rank
+        gets ``batch_size // data`` samples a step. ``None`` keeps the loader's own batch size as
+        the per-rank size.
+    :param shuffle: reshuffle every epoch, deterministically from ``(seed, epoch)``.
+    :param remainder: when the data set does not divide over the data axis: ``"pad"`` repeats
+        samples so every rank gets the same count (training; DistributedSampler's default),
+        ``"drop"`` drops the tail, ``"uneven"`` gives each sample exactly once (evaluation: exact
+        metrics when reduced count-weighted).
+    """
+
+    batch_size: int | None = None
+    shuffle: bool = True
+    remainder: str = "pad"
+
+    def __post_init__(self) -> None:
+        _choice("DataPolicy.remainder", self.remainder, REMAINDERS)
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
+        ):
+            raise ValueError(f"DataPolicy.batch_size must be a positive int or None. Received: {self.batch_size!r}.")
+
+
+@dataclass(frozen=True)
+class GradPolicy:
+    """How ``sync_grads`` reduces gradients over the data axis.
+
+    :param op: ``"mean"`` (the default, matching a single process on the global batch) or ``"sum"``.
+    :param bucket_mb: size of the flat buffers gradients are packed into (one collective each).
+    """
+
+    op: str = "mean"
+    bucket_mb: float = 25.0
+
+    def __post_init__(self) -> None:
+        _choice("GradPolicy.op", self.op, ("mean", "sum"))
+        if not self.bucket_mb > 0:
+            raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {self.bucket_mb!r}.")
+
+
+@dataclass(frozen=True)
+class MetricPolicy:
+    """How ``reduce_metrics`` reduces plain (non-:class:`Mean`) values over the data axis.
+
+    :param op: the default op for plain values: ``mean``, ``sum``, ``max`` or ``min``.
+    :param ops: per-metric-name overrides, e.g. ``{"samples": "sum"}``.
+    """
+
+    op: str = "mean"
+    ops: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, op: str = "mean", ops: Mapping[str, str] | Iterable[tuple[str, str]] = ()):
+        pairs = tuple(sorted(dict(ops).items()))
+        _choice("MetricPolicy.op", op, REDUCE_OPS)
+        for name, o in pairs:
+            _choice(f"MetricPolicy.ops[{name!r}]", o, REDUCE_OPS)
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "ops", pairs)
+
+    def op_for(self, name: str) -> str:
+        """The reduction op for metric ``name``."""
+        return dict(self.ops).get(name, self.op)
+
+
+#: Rules applied after the user's: BatchNorm statistics are averaged, counters and random state
+#: stay local, everything else (parameters) is broadcast from data rank 0.
+DEFAULT_STATE_RULES: tuple[tuple[str, str], ...] = (
+    ("*running_mean", "mean"),
+    ("*running_var", "mean"),
+    ("batch_stats*", "mean"),
+    ("*num_batches_tracked", "local"),
+    ("*rng*", "local"),
+    ("*key*", "local"),
+    ("*count*", "local"),
+)
+
+
+@dataclass(frozen=True)
+class StatePolicy:
+    """What ``sync_states`` does with each state collection, by name or glob pattern.
+
+    Actions: ``mean`` (average over the data axis: BatchNorm running statistics), ``broadcast``
+    (copy from data rank 0: parameters at start), ``local`` (leave alone: RNG keys, counters).
+    User rules are matched first, in order, then :data:`DEFAULT_STATE_RULES`, then ``default``.
+
+    >>> StatePolicy({"encoder.*": "local"}).action_for("encoder.bn.running_mean")
+    'local'
+    >>> StatePolicy().action_for("bn.running_mean"), StatePolicy().action_for("fc.weight")
+    ('mean', 'broadcast')
+    """
+
+    rules: tuple[tuple[str, str], ...] = ()
+    default: str = "broadcast"
+    use_defaults: bool = True
+
+    def __init__(
+        self,
+        rules: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        default: str = "broadcast",
+        use_defaults: bool = True,
+    ):
+        pairs = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(tuple(r) for r in rules)
+        for pattern, action in pairs:
+            if not isinstance(pattern, str):
+                raise ValueError(f"StatePolicy patterns must be strings. Received: {pattern!r}.")
+            _choice(f"StatePolicy action for {pattern!r}", action, STATE_ACTIONS)
+        _choice("StatePolicy.default", default, STATE_ACTIONS)
+        object.__setattr__(self, "rules", pairs)
+        object.__setattr__(self, "default", default)
+        object.__setattr__(self, "use_defaults", bool(use_defaults))
+
+    def action_for(self, name: str) -> str:
+        """The action for the state named ``name`` (first matching rule wins)."""
+        rules = self.rules + (DEFAULT_STATE_RULES if self.use_defaults else ())
+        for pattern, action in rules:
+            if fnmatchcase(name, pattern):
+                return action
+        return self.default
+
+
+@dataclass(frozen=True)
+class Mean:
+    """A metric value reduced count-weighted: ``sum(total) / sum(count)`` over the data axis.
+
+    A mean over 3 samples and a mean over 5 samples combine as ``(t1 + t2) / 8``, not as the mean
+    of two means. ``total`` may be a number or a scalar tensor/array of a runtime.
+
+    >>> (Mean(6.0, 3) + Mean(10.0, 5)).value
+    2.0
+    """
+
+    total: Any
+    count: Any = 1
+
+    @classmethod
+    def of(cls, value: float, count: int) -> "Mean":
+        """A mean ``value`` over ``count`` samples."""
+        return cls(value * count, count)
+
+    @property
+    def value(self) -> float:
+        """``total / count`` as a float (NaN for a zero count)."""
+        count = float(self.count)
+        return float(self.total) / count if count else math.nan
+
+    def __add__(self, other: "Mean") -> "Mean":
+        if not isinstance(other, Mean):
+            return NotImplemented
+        return Mean(self.total + other.total, self.count + other.count)
+
+    def __float__(self) -> float:
+        return self.value
+
+

@@ -1,0 +1,122 @@
+"""Per-process runtime state: kept apart from the immutable, picklable :class:`Strategy`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._errors import TopologyError
+
+if TYPE_CHECKING:
+    from ._manager import PluginManager
+    from ._strategy import Strategy
+    from ._topology import Topology
+
+__all__ = ["ProcessInfo", "Session", "process_info_from_env"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """Where this process sits in the launched world."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise TopologyError(f"environment variable {name} must be an int. Received: {raw!r}.") from None
+
+
+def process_info_from_env() -> ProcessInfo:
+    """Rank and world size from the launcher's environment (torchrun's names; 0 of 1 if unset)."""
+    info = ProcessInfo(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
+    if not 0 <= info.rank < info.world_size:
+        raise TopologyError(f"RANK={info.rank} is out of range for WORLD_SIZE={info.world_size}.")
+    return info
+
+
+class Session:
+    """One strategy's state inside one process: rank, resolved topology, runtime objects.
+
+    Runtime plugins keep their objects (process groups, meshes) in :meth:`stash` and release them
+    with :meth:`add_finalizer`; the session is closed at interpreter exit or by :meth:`close`.
+    """
+
+    def __init__(self, strategy: Strategy, manager: PluginManager, info: ProcessInfo):
+        self.strategy = strategy
+        self.manager = manager
+        self.info = info
+        try:
+            self.topology: Topology = strategy.topology.resolve(info.world_size)
+        except TopologyError as exc:
+            raise TopologyError(
+                f"{strategy!r} does not fit the {info.world_size} processes launched: {exc}"
+            ) from None
+        self.coords: dict[str, int] = self.topology.coords(info.rank)
+        self.roles: frozenset[str] = self.topology.roles(info.rank)
+        self._stash: dict[Any, Any] = {}
+        self._finalizers: list[Callable[[], None]] = []
+        self.closed = False
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.info.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self.info.world_size
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """The global ranks of this process's group along ``axis``."""
+        return self.topology.group_of(self.info.rank, axis)
+
+    def stash(self, key: Any, factory: Callable[[], T]) -> T:
+        """Return the object stored under ``key``, creating it with ``factory()`` on first use."""
+        try:
+            return self._stash[key]
+        except KeyError:
+            value = self._stash[key] = factory()
+            return value
+
+    def peek(self, key: Any, default: Any = None) -> Any:
+        """The object stored under ``key`` or ``default``, without creating it."""
+        return self._stash.get(key, default)
+
+    def add_finalizer(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the session closes (last added, first called)."""
+        self._finalizers.append(fn)
+
+    def close(self) -> None:
+        """Tear down: ``polyparallel_session_finish`` hooks, then finalizers. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.manager.hook.polyparallel_session_finish(session=self)
+        finally:
+            errors = []
+            while self._finalizers:
+                try:
+                    self._finalizers.pop()()
+                except Exception as exc:  # keep tearing down the rest
+                    errors.append(exc)
+            self._stash.clear()
+            self.manager._forget_session(self)
+            if errors:
+                raise errors[0]
+
+    def __repr__(self) -> str:
+        return f"<Session rank={self.rank}/{self.world_size} coords={self.coords} of {self.strategy!r}>"

@@ -1,0 +1,158 @@
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from ._errors import PolyparallelError
+from ._manager import get_plugin_manager
+from ._strategy import Strategy
+from ._topology import AXES, Topology
+
+__all__ = ["main", "cli"]
+
+
+def _axis_options(fn: Any) -> Any:
+    for axis in reversed(AXES):
+        fn = click.option(f"--{axis}", type=int, default=-1 if axis == "data" else 1, show_default=True,
+                          help=f"size of the {axis} axis (-1: inferred from the world size)")(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="polyparallel")
+def cli() -> None:
+    """One parallel-training strategy for every framework."""
+
+
+@cli.command()
+@click.option("--world", "world_size", type=int, required=True, help="number of ranks")
+@_axis_options
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
+def plan(world_size: int, as_json: bool, **sizes: int) -> None:
+    """Show the rank grid, the groups of every axis and the rank roles."""
+    try:
+        topology = Topology(**sizes).resolve(world_size)
+    except PolyparallelError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(topology.to_dict(), indent=2))
+        return
+    click.echo(f"{topology!r}  world size {topology.world_size}\n")
+    header = ["rank", *AXES, "roles"]
+    rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
+            for r in range(topology.world_size)]
+    click.echo(_table(header, rows))
+    for axis in AXES:
+        groups = topology.groups(axis)
+        click.echo(f"\n{axis} groups ({len(groups)} of size {topology.size(axis)}): "
+                   + " ".join("[" + ",".join(map(str, g)) + "]" for g in groups))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--all", "show_all", is_flag=True, help="include the core's own default plugin")
+@click.option("--hook", "hook_name", default=None, help="only plugins implementing this hook")
+def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
+    """List installed plugins: name, version, hooks, adapters, capabilities."""
+    pm = get_plugin_manager()
+    infos = [p for p in pm.plugins() if show_all or p.name != "polyparallel.core"]
+    if hook_name:
+        infos = [p for p in infos if hook_name in p.hooks or f"polyparallel_{hook_name}" in p.hooks]
+    adapters = pm.adapters()
+    caps = pm.capabilities()
+    records = []
+    for p in infos:
+        records.append({
+            "name": p.name, "module": p.module, "distribution": p.dist, "version": p.version,
+            "hooks": list(p.hooks),
+            "adapters": sorted(a.name for a in adapters.values() if a.plugin == p.name),
+            "capabilities": [c.to_dict() for c in caps.values() if c.plugin == p.name],
+        })
+    if as_json:
+        click.echo(json.dumps(records, indent=2))
+        return
+    if not records:
+        click.echo("no plugins installed")
+        return
+    rows = [[r["name"], r["version"] or "-", ", ".join(h.removeprefix("polyparallel_") for h in r["hooks"]),
+             ", ".join(r["adapters"]) or "-",
+             "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-"]
+            for r in records]
+    click.echo(_table(["plugin", "version", "hooks", "adapters", "axes"], rows))
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc-per-node", default="1", show_default=True, help="processes per node (an int, or 'auto')")
+@click.option("--nnodes", default="1", show_default=True, help="number of nodes, or MIN:MAX for elastic jobs")
+@click.option("--node-rank", type=int, default=0, show_default=True)
+@click.option("--rdzv-endpoint", default="127.0.0.1:0", show_default=True, help="host:port of the rendezvous")
+@click.option("--max-restarts", type=int, default=0, show_default=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def launch(command: tuple[str, ...], **options: Any) -> None:
+    """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun)."""
+    code = get_plugin_manager().call("polyparallel_launch_script", command=list(command), options=options)
+    if code is None:
+        raise click.ClickException("no installed plugin can launch scripts; install one: pip install 'polyparallel[torch]'")
+    sys.exit(code)
+
+
+@cli.command()
+@click.option("--nprocs", type=int, default=2, show_default=True, help="processes per framework")
+@_axis_options
+@click.option("--only", multiple=True, help="run only these demo entries (repeatable)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON rows")
+def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> None:
+    """Train the demo problem with one Strategy through every installed plugin, side by side."""
+    entries: dict[str, Any] = {}
+    get_plugin_manager().hook.polyparallel_register_demos(register=lambda name, run: entries.__setitem__(name, run))
+    if only:
+        missing = sorted(set(only) - set(entries))
+        if missing:
+            raise click.ClickException(f"unknown demo entries {missing}; installed: {sorted(entries) or 'none'}")
+        entries = {k: v for k, v in entries.items() if k in only}
+    if not entries:
+        raise click.ClickException("no installed plugin registers a demo; install one: pip install 'polyparallel[torch]'")
+    try:
+        strategy = Strategy(**sizes, timeout=120.0, seed=0)
+        strategy.topology.resolve(nprocs)
+    except PolyparallelError as exc:
+        raise click.ClickException(str(exc)) from None
+    rows, failed = [], False
+    for name, run in entries.items():
+        click.echo(f"running {name} on {nprocs} processes ...", err=True)
+        try:
+            row = dict(run(strategy, nprocs))
+        except Exception as exc:  # one framework failing must not hide the others' results
+            failed = True
+            row = {"framework": name, "topology": repr(strategy.topology.resolve(nprocs)), "error": f"{type(exc).__name__}: {exc}"}
+        rows.append(row)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        def fmt(v: Any, spec: str) -> str:
+            return format(v, spec) if isinstance(v, (int, float)) else str(v)
+        click.echo(_table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
+            [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
+             fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows]))
+    if failed:
+        sys.exit(1)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main() -> None:
+    """Entry point of the ``polyparallel`` script."""
+    cli(prog_name="polyparallel")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Hook specifications: the whole contract between the core and its plugins.
+
+Every hook is named ``polyparallel_<what>``. Implementations may accept any subset of a spec's
+arguments, so specs grow only by adding keyword arguments. The five operations are ``firstresult``:
+a plugin that does not own the object returns ``None`` and the next plugin is asked; when nobody
+answers, the core raises :class:`~polyparallel.NoPluginError` naming the installed plugins and the
+extra to install. Cross-cutting concerns (timing, tracing) are hook wrappers ordered with
+``tryfirst``/``trylast``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    from ._capabilities import Capabilities
+    from ._session import ProcessInfo, Session
+    from ._strategy import Strategy
+
+hookspec = pluggy.HookspecMarker("polyparallel")
+
+# -------------------------------------------------------------------------------------------------
+# registration: what a plugin offers
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def polyparallel_register_adapters(register: Callable[..., None]) -> None:
+    """Register framework adapters, the objects ``Strategy.adapt(name)`` returns.
+
+    Called once per plugin manager, lazily, on the first ``adapt`` or ``plugins`` listing.
+
+    :param register: call ``register(name, factory, capabilities=Capabilities(...),
+        description="...")``. ``factory(strategy, **kwargs)`` builds the framework-native object;
+        it should import its framework lazily. ``capabilities`` says which axes the adapter can
+        run, so an unsupported topology is refused before anything starts.
+    :return: ignored.
+    """
+
+
+@hookspec
+def polyparallel_capabilities() -> Capabilities | list[Capabilities] | None:
+    """Declare which runtimes this plugin provides and which axes and features they support.
+
+    :return: a :class:`~polyparallel.Capabilities` (or a list of them) whose ``target`` names a
+        runtime (``"torch"``), or ``None``. ``Strategy.check(target)`` and ``launch(...,
+        runtime=target)`` refuse a topology the target cannot run.
+    """
+
+
+@hookspec
+def polyparallel_register_demos(register: Callable[..., None]) -> None:
+    """Register entries of ``polyparallel demo``.
+
+    :param register: call ``register(name, run)`` where ``run(strategy, nprocs)`` trains the demo
+        problem in ``nprocs`` processes and returns a dict with the keys ``framework``,
+        ``topology``, ``final_loss``, ``accuracy`` and ``step_time_ms``.
+    :return: ignored.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# lifecycle: processes and per-process runtime state
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_process_info(strategy: Strategy) -> ProcessInfo | None:
+    """Tell this process's rank and the world size. Stops at first non-None result.
+
+    The core's own implementation (``trylast``) reads the launcher's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``; rank 0 of 1 when unset). A runtime whose launcher sets
+    other variables implements this.
+
+    :param strategy: the strategy whose session is being created.
+    :return: a :class:`~polyparallel.ProcessInfo`, or ``None`` to let the next plugin answer.
+    """
+
+
+@hookspec
+def polyparallel_session_start(session: Session) -> None:
+    """A per-process session was created for a strategy (topology resolved and validated).
+
+    Runtimes set up their process groups lazily, on their first operation; this hook is for
+    plugins that must observe every session (logging, tracing).
+
+    :param session: the new :class:`~polyparallel.Session`.
+    :return: ignored.
+    """
+
+
+@hookspec
+def polyparallel_session_finish(session: Session) -> None:
+    """A session is being closed (explicitly, or at interpreter exit). Release resources here or
+    through ``session.add_finalizer``.
+
+    :param session: the closing :class:`~polyparallel.Session`.
+    :return: ignored.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_launch(
+    fn: Callable[..., Any], strategy: Strategy, nprocs: int, args: tuple, kwargs: dict
+) -> list[Any] | None:
+    """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
+
+    The processes must find the strategy's operations ready to use (rank and world size in their
+    environment). A failing rank's traceback is raised as :class:`~polyparallel.LaunchError`
+    and the other ranks are stopped.
+
+    :param fn: a picklable (module-level) callable.
+    :param strategy: the strategy; its topology was already resolved against ``nprocs``.
+    :param nprocs: number of processes on this machine.
+    :param args: positional arguments for ``fn``.
+    :param kwargs: keyword arguments for ``fn``.
+    :return: the list of return values, indexed by rank; ``None`` if this plugin cannot launch.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> int | None:
+    """Run a script on many processes/nodes (``polyparallel launch``). Stops at first non-None result.
+
+    :param command: the script and its arguments.
+    :param options: ``nproc_per_node``, ``nnodes``, ``node_rank``, ``rdzv_endpoint``,
+        ``max_restarts`` as given on the command line.
+    :return: the exit code, or ``None`` if this plugin cannot launch.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# data
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_shard_data(strategy: Strategy, session: Session, data: Any, policy: Any) -> Any:
+    """Shard ``data`` over the data axis. Stops at first non-None result.
+
+    Every data coordinate gets a disjoint shard; ranks sharing a data coordinate get identical
+    batches; the union over an epoch is the whole data set (``policy.remainder`` says how the tail
+    is handled); shuffling is deterministic from ``(strategy.seed, epoch)``.
+
+    :param strategy: the strategy.
+    :param session: this process's session (rank, resolved topology, stash).
+    :param data: a data set or loader of some framework.
+    :param policy: the :class:`~polyparallel.DataPolicy` with per-call overrides applied.
+    :return: the sharded object, or ``None`` if this plugin does not own ``data``'s type.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# model
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_wrap_model(strategy: Strategy, session: Session, model: Any, options: dict[str, Any]) -> Any:
+    """Parallelise ``model`` over the topology. Stops at first non-None result.
+
+    Data axis: replicate and reduce gradients over the data group only (never a world-wide
+    wrapper). Tensor axis: partition with a plan (``options["plan"]`` or the plugin's default).
+    Pipeline axis: split into stages.
+
+    :param strategy: the strategy.
+    :param session: this process's session.
+    :param model: a model of some framework.
+    :param options: keyword arguments given to ``Strategy.wrap_model`` (e.g. ``plan``).
+    :return: the wrapped model, or ``None`` if this plugin does not own ``model``'s type.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# gradients
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_sync_grads(strategy: Strategy, session: Session, target: Any) -> Any:
+    """Reduce gradients over the data group (``strategy.grad_policy``). Stops at first non-None result.
+
+    Where a wrapper already reduced them (DDP), this is a documented no-op that still answers.
+
+    :param strategy: the strategy.
+    :param session: this process's session.
+    :param target: a model, or gradients (a pytree) of some framework.
+    :return: the synced target (gradients for a pytree; the model for a model), or ``None`` if
+        this plugin does not own ``target``'s type.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# metrics and states
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_reduce_metrics(strategy: Strategy, session: Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """Reduce a mapping of metrics over the data group. Stops at first non-None result.
+
+    :class:`~polyparallel.Mean` values reduce count-weighted; plain values by
+    ``strategy.metric_policy``. Bounded by the strategy's timeout; a peer that never joins makes
+    this raise :class:`~polyparallel.CollectiveTimeout` naming the operation, axis and rank.
+
+    :param strategy: the strategy.
+    :param session: this process's session.
+    :param metrics: name -> value (numbers, tensors/arrays of a runtime, ``Mean``).
+    :return: name -> reduced float (or tensor/array for tensor/array inputs), or ``None`` if
+        this plugin does not own the values' types.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) -> Any:
+    """Synchronise state collections per ``strategy.state_policy``. Stops at first non-None result.
+
+    :param strategy: the strategy.
+    :param session: this process's session.
+    :param states: a model (its buffers and parameters) or a mapping of named state collections.
+    :return: the synced states, or ``None`` if this plugin does not own ``states``' type.
+    """

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project's virtual environment in .venv with everything the demo and
+# the tests need. Sourced by tools/test.sh and tools/demo.sh; safe to run again (a stamp of the
+# dependency files skips the install when nothing changed).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${POLYPARALLEL_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+STAMP="$VENV/.polyparallel-stamp"
+WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_party_plugin/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+    PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+    # torch first, pinned to the CPU wheel this machine serves locally; later installs of
+    # "torch>=2.4" are then satisfied and download nothing.
+    "${PIP[@]}" "torch==2.13.0"
+    "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
+    echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"
