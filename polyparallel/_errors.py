@@ -37,6 +37,10 @@ class PluginError(PolyparallelError):
         self.plugin, self.hook, self.error = plugin, hook, error
         super().__init__(f"plugin {plugin!r} failed in {hook}: {type(error).__name__}: {error}")
 
+    def __reduce__(self):  # type: ignore[override]
+        # Errors cross process boundaries (launch); the default would call __init__(message).
+        return (type(self), (self.plugin, self.hook, self.error), self.__dict__)
+
 
 class CollectiveError(PolyparallelError, RuntimeError):
     """A collective failed. Names the operation, the axis and the rank."""
@@ -44,6 +48,11 @@ class CollectiveError(PolyparallelError, RuntimeError):
     def __init__(self, message: str, *, operation: str, axis: str, rank: int):
         self.operation, self.axis, self.rank = operation, axis, rank
         super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[override]
+        # The default would call __init__(message) without the keyword-only fields.
+        return (_rebuild, (type(self), self.args, {"operation": self.operation, "axis": self.axis, "rank": self.rank}),
+                self.__dict__)
 
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
@@ -56,3 +65,7 @@ class LaunchError(PolyparallelError, RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None, traceback: str = ""):
         self.rank, self.traceback = rank, traceback
         super().__init__(message)
+
+
+def _rebuild(cls: type, args: tuple, kwargs: dict) -> BaseException:
+    return cls(*args, **kwargs)

@@ -21,6 +21,7 @@ def launch(
     kwargs: dict[str, Any] | None = None,
     *,
     runtime: str | None = None,
+    timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new processes and return the results by rank.
 
@@ -33,6 +34,8 @@ def launch(
     :param strategy: the :class:`Strategy`; it is pickled into each process.
     :param nprocs: number of processes.
     :param runtime: a runtime name (``"torch"``) whose capabilities must admit the topology.
+    :param timeout: seconds after which every process is terminated and :class:`LaunchError`
+        raised (a safety net for tests and scripts; collectives have the strategy's own timeout).
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise TopologyError(f"launch(nprocs=) must be a positive int. Received: {nprocs!r}.")
@@ -43,7 +46,7 @@ def launch(
         strategy.check(runtime, world_size=nprocs)
     pm = strategy.plugin_manager
     results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, nprocs=nprocs,
-                      args=tuple(args), kwargs=dict(kwargs or {}))
+                      args=tuple(args), kwargs=dict(kwargs or {}), timeout=timeout)
     if results is None:
         raise NoPluginError(
             "No installed plugin can launch processes (none implements polyparallel_launch). "

@@ -92,22 +92,28 @@ class PluginManager:
         return self._pm.hook
 
     def load(self) -> None:
-        """Load entry-point plugins (idempotent)."""
+        """Load entry-point plugins (idempotent). A no-op for ``PluginManager(autoload=False)``."""
         with self._lock:
             if self._loaded:
                 return
             self._loaded = True
+            if not self._autoload:
+                # autoload=False means "only what register() is given": neither entry points
+                # nor POLYPARALLEL_PLUGINS, so unit tests are hermetic whatever the environment.
+                return
             disabled = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
             wanted = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
             found: set[str] = set()
             for dist, ep in _entry_points():
-                if not self._autoload or (disabled and ep.name not in wanted):
+                if disabled and ep.name not in wanted:
                     continue
                 found.add(ep.name)
-                if self._pm.has_plugin(ep.name):
+                # A blocked plugin is not even imported (its import may be what is broken).
+                if self._pm.has_plugin(ep.name) or self._pm.is_blocked(ep.name):
                     continue
                 try:
                     plugin = ep.load()
+                    self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
                 except Exception as exc:  # a broken third-party plugin must not break the rest
                     warnings.warn(
                         f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from "
@@ -115,22 +121,32 @@ class PluginManager:
                         RuntimeWarning,
                         stacklevel=2,
                     )
-                    continue
-                self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
             for name in wanted:
-                if name not in found and not self._pm.has_plugin(name):
-                    try:
-                        self.register(importlib.import_module(name), name=name)
-                    except ImportError as exc:
-                        warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
-                                      f"nor an importable module: {exc}", RuntimeWarning, stacklevel=2)
+                if name in found or self._pm.has_plugin(name) or self._pm.is_blocked(name):
+                    continue
+                try:
+                    self.register(importlib.import_module(name), name=name)
+                except Exception as exc:
+                    warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
+                                  f"nor an importable plugin module: {type(exc).__name__}: {exc}",
+                                  RuntimeWarning, stacklevel=2)
 
-    def register(self, plugin: object, name: str | None = None, *, dist: str | None = None, version: str | None = None) -> str:
-        """Register a plugin object or module (hook implementations marked with ``@hookimpl``)."""
+    def register(
+        self, plugin: object, name: str | None = None, *, dist: str | None = None, version: str | None = None
+    ) -> str | None:
+        """Register a plugin object or module (hook implementations marked with ``@hookimpl``).
+
+        :return: the name it was registered under, or ``None`` when that name is blocked
+            (:meth:`set_blocked`): a blocked plugin is skipped silently.
+        """
         with self._lock:
             registered = self._pm.register(plugin, name=name)
-            assert registered is not None
-            module = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__module__
+            if registered is None:  # blocked name (pluggy's contract): not registered
+                return None
+            if isinstance(plugin, ModuleType):
+                module = plugin.__name__
+            else:  # an instance, or a class registered as it is
+                module = getattr(plugin, "__module__", None) or type(plugin).__module__
             hooks = tuple(sorted(h.name for h in self._pm.get_hookcallers(plugin) or ()))
             self._infos[registered] = PluginInfo(registered, module, dist, version, hooks)
             self._adapters = None
@@ -147,10 +163,12 @@ class PluginManager:
         return self._pm.is_blocked(name)
 
     def set_blocked(self, name: str) -> None:
-        """Block a plugin name: it will not be registered, now or on later loads."""
-        self._pm.set_blocked(name)
-        self._infos.pop(name, None)
-        self._adapters = None
+        """Block a plugin name: it is unregistered if loaded, and neither imported nor registered
+        on later loads."""
+        with self._lock:
+            self._pm.set_blocked(name)
+            self._infos.pop(name, None)
+            self._adapters = None
 
     def plugins(self) -> list[PluginInfo]:
         """The loaded plugins, the core's own defaults first."""
@@ -194,25 +212,32 @@ class PluginManager:
 
     # -- adapters and capabilities -------------------------------------------------------------------
     def adapters(self) -> dict[str, Adapter]:
-        """Adapter name -> :class:`Adapter`, collected from ``polyparallel_register_adapters``."""
+        """Adapter name -> :class:`Adapter`, collected from ``polyparallel_register_adapters``.
+
+        When two plugins register the same name, the one pluggy calls first wins (``tryfirst``,
+        then the most recently registered), as for the firstresult operations.
+        """
         with self._lock:
             if self._adapters is None:
-                self._adapters = {}
-                for impl in reversed(self.hook.polyparallel_register_adapters.get_hookimpls()):
+                collected: dict[str, Adapter] = {}
+                # get_hookimpls() is in reverse call order: a later entry overrides an earlier one.
+                for impl in self.hook.polyparallel_register_adapters.get_hookimpls():
                     def register(name: str, factory: Callable[..., Any], capabilities: Capabilities | None = None,
                                  description: str = "", _plugin: str = impl.plugin_name) -> None:
                         caps = capabilities or Capabilities(target=name)
                         caps = Capabilities(name, caps.axes, caps.features, _plugin)
-                        self._adapters[name] = Adapter(name, factory, caps, _plugin, description)  # type: ignore[index]
-                    impl.function(**_subset(impl.argnames, register=register))
+                        collected[name] = Adapter(name, factory, caps, _plugin, description)
+                    _call_impl(impl, "polyparallel_register_adapters", register=register)
+                # Assigned only when complete: a plugin that failed is retried, not half-cached.
+                self._adapters = collected
             return dict(self._adapters)
 
     def capabilities(self) -> dict[str, Capabilities]:
         """Target name -> :class:`Capabilities`, for runtimes and adapters."""
         result: dict[str, Capabilities] = {}
         for impl in self.hook.polyparallel_capabilities.get_hookimpls():
-            declared = impl.function()
-            for caps in declared if isinstance(declared, list) else [declared] if declared else []:
+            declared = _call_impl(impl, "polyparallel_capabilities")
+            for caps in declared if isinstance(declared, (list, tuple)) else [declared] if declared else []:
                 result[caps.target] = Capabilities(caps.target, caps.axes, caps.features, impl.plugin_name)
         for adapter in self.adapters().values():
             result[adapter.name] = adapter.capabilities
@@ -240,9 +265,16 @@ class PluginManager:
         return list(self._sessions.values())
 
     def close_sessions(self) -> None:
-        """Close every open session (runs at interpreter exit)."""
+        """Close every open session (runs at interpreter exit). One session failing to close does
+        not leave the others open; the first error is re-raised at the end."""
+        errors = []
         for session in list(self._sessions.values()):
-            session.close()
+            try:
+                session.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def _forget_session(self, session: Session) -> None:
         if self._sessions.get(session.strategy) is session:
@@ -251,6 +283,18 @@ class PluginManager:
 
 def _subset(argnames: tuple[str, ...], **available: Any) -> dict[str, Any]:
     return {k: v for k, v in available.items() if k in argnames}
+
+
+def _call_impl(impl: Any, hook_name: str, **available: Any) -> Any:
+    """Call one hook implementation directly (registry hooks need to know who registers what),
+    translating its errors as :meth:`PluginManager.call` does."""
+    try:
+        return impl.function(**_subset(impl.argnames, **available))
+    except PolyparallelError as exc:
+        _note(exc, f"raised by plugin {impl.plugin_name!r} in {hook_name}")
+        raise
+    except Exception as exc:
+        raise PluginError(impl.plugin_name, hook_name, exc) from exc
 
 
 def _note(exc: BaseException, text: str) -> None:

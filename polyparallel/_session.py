@@ -105,7 +105,8 @@ class Session:
             return
         self.closed = True
         try:
-            self.manager.hook.polyparallel_session_finish(session=self)
+            # Through call(): an error in a plugin's hook names the plugin, as for every hook.
+            self.manager.call("polyparallel_session_finish", session=self)
         finally:
             errors = []
             while self._finalizers:

@@ -91,8 +91,8 @@ class Strategy:
             state_policy = StatePolicy(state_policy or {})
         values = dict(
             topology=topology, timeout=float(timeout), seed=seed, backend=backend,
-            data_policy=data_policy, grad_policy=grad_policy or GradPolicy(),
-            metric_policy=metric_policy or MetricPolicy(), state_policy=state_policy,
+            data_policy=data_policy, grad_policy=GradPolicy() if grad_policy is None else grad_policy,
+            metric_policy=MetricPolicy() if metric_policy is None else metric_policy, state_policy=state_policy,
         )
         for name, kind in (("data_policy", DataPolicy), ("grad_policy", GradPolicy),
                            ("metric_policy", MetricPolicy), ("state_policy", StatePolicy)):
@@ -106,6 +106,10 @@ class Strategy:
     # -- value semantics ------------------------------------------------------------------------
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Strategy is immutable; use strategy.replace({name}=...)")
+
+    def __delattr__(self, name: str) -> None:
+        # __slots__ descriptors would otherwise let `del strategy.timeout` through.
+        raise AttributeError(f"Strategy is immutable; cannot delete {name!r}")
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f) for f in _FIELDS)
@@ -128,6 +132,11 @@ class Strategy:
         """A copy with some fields changed (``topology``, ``timeout``, a policy, or axis sizes)."""
         values = dict(zip(_FIELDS, self._values()))
         axes = {a: changes.pop(a) for a in ("data", "tensor", "pipeline") if a in changes}
+        if axes and "topology" in changes:
+            raise TopologyError(
+                f"Strategy.replace() takes axis sizes or topology=, not both. Received {axes} and "
+                f"{changes['topology']!r}."
+            )
         if axes:
             values["topology"] = Topology(**{**values["topology"].sizes, **axes})
         unknown = set(changes) - set(_FIELDS)

@@ -80,6 +80,10 @@ class Topology:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"Topology is immutable; cannot set {name!r}")
 
+    def __delattr__(self, name: str) -> None:
+        # __slots__ descriptors would otherwise let `del topology._sizes` through.
+        raise AttributeError(f"Topology is immutable; cannot delete {name!r}")
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (self.sizes,))
 

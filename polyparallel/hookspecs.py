@@ -103,7 +103,7 @@ def polyparallel_session_finish(session: Session) -> None:
 
 @hookspec(firstresult=True)
 def polyparallel_launch(
-    fn: Callable[..., Any], strategy: Strategy, nprocs: int, args: tuple, kwargs: dict
+    fn: Callable[..., Any], strategy: Strategy, nprocs: int, args: tuple, kwargs: dict, timeout: float | None
 ) -> list[Any] | None:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
 
@@ -116,6 +116,8 @@ def polyparallel_launch(
     :param nprocs: number of processes on this machine.
     :param args: positional arguments for ``fn``.
     :param kwargs: keyword arguments for ``fn``.
+    :param timeout: seconds after which all processes are terminated and ``LaunchError`` raised
+        (``None``: no limit).
     :return: the list of return values, indexed by rank; ``None`` if this plugin cannot launch.
     """
 

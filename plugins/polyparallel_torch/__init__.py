@@ -1,1 +1,29 @@
-"""PyTorch runtime plugin for polyparallel."""
+"""PyTorch runtime plugin for polyparallel (``pip install 'polyparallel[torch]'``).
+
+Registered through the ``polyparallel`` entry point ``torch = "polyparallel_torch.plugin"``.
+The operations are reached through a :class:`polyparallel.Strategy`; this package also exports
+the few torch-specific helpers a training loop needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "default_plan"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `import polyparallel_torch` must not import torch.
+    if name == "no_sync":
+        from .grads import no_sync
+        return no_sync
+    if name == "get_runtime":
+        from .runtime import get_runtime
+        return get_runtime
+    if name in ("full_state", "default_plan"):
+        from . import model
+        return getattr(model, name)
+    if name == "TopologySampler":
+        from .data import TopologySampler
+        return TopologySampler
+    raise AttributeError(f"module 'polyparallel_torch' has no attribute {name!r}")

@@ -1,0 +1,147 @@
+"""``wrap_model`` for torch: tensor parallel (DTensor plans), then DDP over the data group.
+
+- ``tensor > 1``: ``torch.distributed.tensor.parallel.parallelize_module`` over the tensor
+  sub-mesh, with the user's ``plan=`` or, for an ``nn.Sequential`` of ``nn.Linear`` layers, the
+  Megatron default (:func:`default_plan`): consecutive Linear layers alternate column- then
+  row-parallel, so activations between a pair stay sharded and one all-reduce closes each pair.
+- ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
+  and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op). Never DataParallel.
+- ``data > 1`` with ``tensor > 1``: the tensor-parallel module is returned as is, its parameters
+  broadcast over the data group, and ``strategy.sync_grads(model)`` reduces the local gradient
+  shards over the data group in flat buckets. Why not DDP here: torch's DDP+TP bridge
+  (``_pre_dp_module_transform``) swaps DTensor parameters for plain attributes after the first
+  forward, so ``model.parameters()`` and ``state_dict()`` silently lose the sharded weights
+  (seen with torch 2.13) — checkpoints and optimizers built later would miss them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import polyparallel as pp
+
+from .runtime import TorchRuntime
+
+__all__ = ["default_plan", "wrap_module", "is_ddp"]
+
+
+def is_ddp(model: Any) -> bool:
+    """Whether ``model`` is already wrapped by DistributedDataParallel."""
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def default_plan(model: nn.Module) -> dict[str, Any]:
+    """Megatron column/row pairs for an ``nn.Sequential`` whose Linear layers come in pairs.
+
+    Layers in between (activations, dropout) are element-wise and work on the sharded
+    activations. An odd Linear out stays replicated (its output is the model's, e.g. logits).
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"wrap_model(tensor>1) has a default plan only for nn.Sequential MLPs; {type(model).__name__} "
+            "needs plan={'submodule.path': ColwiseParallel() | RowwiseParallel(), ...}."
+        )
+    linear = [name for name, m in model.named_children() if isinstance(m, nn.Linear)]
+    for name, m in model.named_children():
+        if not isinstance(m, (nn.Linear, nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)):
+            raise TypeError(
+                f"the default tensor-parallel plan only shards Linear layers separated by element-wise "
+                f"activations; layer {name!r} is a {type(m).__name__}, which would see a sharded activation. "
+                "Pass plan= for this model."
+            )
+    if len(linear) < 2:
+        raise TypeError("the default tensor-parallel plan needs at least two nn.Linear layers (a column/row pair).")
+    plan: dict[str, Any] = {}
+    for first, second in zip(linear[0::2], linear[1::2]):
+        plan[first], plan[second] = ColwiseParallel(), RowwiseParallel()
+    return plan
+
+
+def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> None:
+    names = dict(model.named_modules())
+    for path, style in plan.items():
+        if path not in names and not any(ch in path for ch in "*?["):
+            known = ", ".join(n for n in names if n) or "(no submodules)"
+            raise pp.TopologyError(
+                f"tensor-parallel plan names submodule {path!r}, which {type(model).__name__} does not have. "
+                f"Submodules: {known}."
+            )
+        module = names.get(path)
+        if isinstance(module, nn.Linear):
+            dim = module.out_features if type(style).__name__ == "ColwiseParallel" else module.in_features
+            if dim % tensor_size:
+                raise pp.TopologyError(
+                    f"{path!r} ({module}) cannot be split {type(style).__name__}-wise over tensor={tensor_size}: "
+                    f"{dim} features is not a multiple of {tensor_size}."
+                )
+
+
+def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> nn.Module:
+    """Apply the topology to ``model``: tensor plan, then DDP over the data group."""
+    unknown = set(options) - {"plan", "ddp_kwargs"}
+    if unknown:
+        raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=.")
+    if is_ddp(model):
+        raise TypeError("wrap_model() got a model that is already DistributedDataParallel; pass the bare module.")
+    topology = rt.topology
+    if topology.size("pipeline") > 1:
+        raise pp.UnsupportedTopologyError(
+            "the torch runtime does not implement pipeline stages in wrap_model yet (pipeline="
+            f"{topology.size('pipeline')}); use pipeline=1."
+        )
+    model = model.to(rt.device)
+    if topology.size("tensor") > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = options.get("plan") or default_plan(model)
+        _check_plan(model, plan, topology.size("tensor"))
+        if rt.mesh is not None:
+            model = parallelize_module(model, rt.submesh("tensor"), plan)
+    elif options.get("plan"):
+        pass  # a plan with tensor=1 is legal (same script on any topology): nothing to shard.
+    if topology.size("data") > 1 and topology.size("tensor") > 1:
+        _broadcast_over_data(model, rt)
+    elif topology.size("data") > 1:
+        kwargs = dict(options.get("ddp_kwargs") or {})
+        if rt.device.type == "cuda":
+            kwargs.setdefault("device_ids", [rt.device.index])
+        kwargs.setdefault("bucket_cap_mb", rt.strategy.grad_policy.bucket_mb)
+        with rt.collective("wrap_model (DDP parameter broadcast)", "data"):
+            model = nn.parallel.DistributedDataParallel(model, device_mesh=rt.submesh("data"), **kwargs)
+    return model
+
+
+def _broadcast_over_data(model: nn.Module, rt: TorchRuntime) -> None:
+    """Make data replicas start equal (what DDP does at construction): parameters and buffers
+    from data rank 0, shard by shard."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [t.to_local() if hasattr(t, "to_local") else t
+               for t in [*model.parameters(), *model.buffers()]]
+    with torch.no_grad():
+        for dtype in {t.dtype for t in tensors}:
+            group = [t.data for t in tensors if t.dtype == dtype]
+            flat = _flatten_dense_tensors(group)
+            rt.broadcast(flat, "wrap_model (parameter broadcast)", "data")
+            for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.copy_(synced)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the model itself)."""
+    return model.module if is_ddp(model) else model
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers with DTensors gathered to full tensors (for checks and checkpoints)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, value in unwrap(model).state_dict().items():
+        out[name] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
+    return out

@@ -1,0 +1,136 @@
+"""Hook implementations of the torch runtime plugin (entry point ``torch``).
+
+Importing this module is cheap: torch is imported inside the hooks, and only once the object
+handed to an operation could be torch's (if ``torch`` was never imported, it cannot be).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import polyparallel as pp
+from polyparallel import hookimpl
+
+__all__: list[str] = []
+
+CAPABILITIES = pp.Capabilities(
+    "torch", axes={"data", "tensor"},
+    features={"ddp", "tensor_parallel_plan", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
+)
+
+
+def _torch_loaded() -> bool:
+    return "torch" in sys.modules
+
+
+def _runtime(session: pp.Session) -> Any:
+    from .runtime import get_runtime
+
+    return get_runtime(session)
+
+
+@hookimpl
+def polyparallel_capabilities() -> pp.Capabilities:
+    return CAPABILITIES
+
+
+@hookimpl
+def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
+    if not _torch_loaded():
+        return None
+    from torch.utils.data import DataLoader, Dataset
+
+    if not isinstance(data, (Dataset, DataLoader)):
+        return None
+    from .data import shard_loader
+
+    return shard_loader(data, session, policy, strategy)
+
+
+@hookimpl
+def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
+    if not _torch_loaded():
+        return None
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        return None
+    from .model import wrap_module
+
+    return wrap_module(model, _runtime(session), options)
+
+
+@hookimpl
+def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
+    if not _torch_loaded():
+        return None
+    import torch
+    from torch import nn
+
+    if isinstance(target, nn.Module) or (
+        isinstance(target, (list, tuple)) and target and all(isinstance(g, torch.Tensor) or g is None for g in target)
+    ):
+        from .grads import sync_gradients
+
+        return sync_gradients(target, _runtime(session))
+    return None
+
+
+def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
+    # Ours: any torch tensor, or only plain numbers/Means (the framework-free case; torch is the
+    # runtime that answers it when loaded). A mapping holding another runtime's arrays is not.
+    import numbers
+
+    import torch
+
+    values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
+    return any(isinstance(v, torch.Tensor) for v in values) or all(
+        isinstance(v, numbers.Real) for v in values)
+
+
+@hookimpl
+def polyparallel_reduce_metrics(session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    if not _torch_loaded() or not _owns_metrics(metrics):
+        return None
+    from .metrics import reduce
+
+    return reduce(metrics, _runtime(session))
+
+
+@hookimpl
+def polyparallel_sync_states(session: pp.Session, states: Any) -> Any:
+    if not _torch_loaded():
+        return None
+    import torch
+    from torch import nn
+
+    if not (isinstance(states, nn.Module) or (
+            isinstance(states, Mapping) and states and all(isinstance(v, torch.Tensor) for v in states.values()))):
+        return None
+    from .states import sync
+
+    return sync(states, _runtime(session))
+
+
+@hookimpl
+def polyparallel_launch(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
+                        timeout: float | None) -> list[Any]:
+    from .launch import launch_function
+
+    return launch_function(fn, strategy, nprocs, args, kwargs, timeout)
+
+
+@hookimpl
+def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> int:
+    from .launch import launch_script
+
+    return launch_script(command, options)
+
+
+@hookimpl
+def polyparallel_register_demos(register: Any) -> None:
+    from .demo import run_demo
+
+    register("torch", run_demo)

@@ -1,0 +1,173 @@
+"""The conformance driver of the torch runtime (plain PyTorch objects through a Strategy).
+
+Also the reference problem other torch-based plugins (Lightning, Ignite, ...) reuse: the same
+MLP, data and single-process reference, so their drivers only replace the training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import polyparallel as pp
+from polyparallel.testing import ConformanceDriver, reference_data
+
+from .model import full_state, unwrap
+
+__all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference"]
+
+FEATURES, HIDDEN, CLASSES, LR = 8, 16, 4, 0.1
+
+
+def reference_dataset(n: int, dtype: torch.dtype = torch.float32) -> TensorDataset:
+    """:func:`polyparallel.testing.reference_data` as a ``TensorDataset``."""
+    xs, ys = reference_data(n, FEATURES, CLASSES)
+    return TensorDataset(torch.tensor(xs, dtype=dtype), torch.tensor(ys))
+
+
+def reference_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """Linear-ReLU-Linear (a tensor-parallel column/row pair), BatchNorm, ReLU, Linear head."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN),
+        nn.BatchNorm1d(HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES),
+    ).to(dtype)
+
+
+def reference_plan() -> dict[str, Any]:
+    """Megatron pair on the first two Linear layers; BatchNorm and head stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def flat_params(model: nn.Module) -> dict[str, list[float]]:
+    """Full (gathered) parameters as name -> flat list of floats."""
+    names = {n for n, _ in unwrap(model).named_parameters()}
+    return {k: v.reshape(-1).double().tolist() for k, v in full_state(model).items() if k in names}
+
+
+def global_batches(n: int, global_batch: int, steps: int, seed: int) -> list[list[int]]:
+    """The sample indices of each global batch, as the data axis splits them: the epoch
+    permutation of ``TopologySampler`` padded to a multiple of the data size."""
+    g = torch.Generator()
+    batches: list[list[int]] = []
+    epoch = 0
+    while len(batches) < steps:
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+        batches += [order[i:i + global_batch] for i in range(0, n - n % global_batch, global_batch)]
+        epoch += 1
+    return batches[:steps]
+
+
+def ghost_batch_reference(steps: int, global_batch: int, data_size: int, seed: int = 0,
+                          n: int = 37) -> dict[str, list[float]]:
+    """Single-process SGD on the same global batches. BatchNorm computes statistics per
+    data-parallel replica (each rank's slice of the global batch, as DDP without SyncBatchNorm
+    does: torch's SyncBatchNorm is CUDA-only), so the reference does the same ("ghost batches"):
+    the loss is the mean over replicas of each replica's mean loss — equal to DDP's averaged
+    gradients because every replica holds ``global_batch / data_size`` samples."""
+    ds = reference_dataset(n)
+    model = reference_model(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for batch in global_batches(n, global_batch, steps, seed):
+        # TopologySampler strides the epoch order: replica r gets positions r, r+d, r+2d, ...
+        losses = []
+        for r in range(data_size):
+            idx = batch[r::data_size]
+            x, y = ds.tensors[0][idx], ds.tensors[1][idx]
+            losses.append(nn.functional.cross_entropy(model(x), y))
+        opt.zero_grad()
+        torch.stack(losses).mean().backward()
+        opt.step()
+    return flat_params(model)
+
+
+class TorchDriver(ConformanceDriver):
+    """Plain PyTorch through ``Strategy.shard_data/wrap_model/sync_grads/reduce_metrics/sync_states``."""
+
+    target = "torch"
+    unsupported = (pp.Topology(pipeline=2, data=1),)
+
+    def _plan(self, strategy: pp.Strategy) -> dict[str, Any]:
+        return {"plan": reference_plan()} if strategy.topology.size("tensor") != 1 else {}
+
+    def shard_indices(self, strategy: pp.Strategy, epoch: int) -> list[int]:
+        n = self.dataset_size
+        ds = TensorDataset(torch.arange(n))
+        loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="uneven", shuffle=True)
+        loader.sampler.set_epoch(epoch)
+        return [int(i) for (batch,) in loader for i in batch]
+
+    def train(self, strategy: pp.Strategy) -> dict[str, list[float]]:
+        ds = reference_dataset(self.dataset_size)
+        loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="pad", shuffle=True)
+        model = strategy.wrap_model(reference_model(strategy.seed), **self._plan(strategy))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        step = 0
+        while step < self.steps:
+            for x, y in loader:  # the sampler advances the epoch by itself
+                if len(y) * strategy.session().topology.size("data") != self.global_batch:
+                    continue  # a short last batch: the reference skips it too
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                strategy.sync_grads(model)  # a documented no-op under DDP: it reduced in backward
+                opt.step()
+                step += 1
+                if step == self.steps:
+                    break
+        return flat_params(model)
+
+    def train_reference(self, data_size: int) -> dict[str, list[float]]:
+        return ghost_batch_reference(self.steps, self.global_batch, data_size, 0, self.dataset_size)
+
+    def evaluate(self, strategy: pp.Strategy) -> dict[str, float] | None:
+        ds = reference_dataset(self.dataset_size, torch.float64)
+        loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="uneven", shuffle=False)
+        model = strategy.wrap_model(reference_model(strategy.seed, torch.float64), **self._plan(strategy)).eval()
+        total, correct, count = 0.0, 0, 0
+        with torch.no_grad():
+            for x, y in loader:
+                logits = model(x)
+                total += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+                correct += int((logits.argmax(-1) == y).sum())
+                count += len(y)
+        return strategy.reduce_metrics({"loss": pp.Mean(total, count), "accuracy": pp.Mean(correct, count)})
+
+    def evaluate_reference(self) -> dict[str, float]:
+        x, y = reference_dataset(self.dataset_size, torch.float64).tensors
+        model = reference_model(0, torch.float64).eval()
+        with torch.no_grad():
+            logits = model(x)
+        return {"loss": float(nn.functional.cross_entropy(logits, y)),
+                "accuracy": float((logits.argmax(-1) == y).double().mean())}
+
+    def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
+        model = strategy.wrap_model(reference_model(strategy.seed), **self._plan(strategy))
+        inner = unwrap(model)
+        rank = strategy.session().rank
+        with torch.no_grad():
+            bn = inner[3]
+            bn.running_mean.fill_(float(rank))
+            bn.running_var.fill_(1.0 + rank)
+            head = inner[5]
+            head.bias.fill_(10.0 + rank)
+        before = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        strategy.sync_states(model)
+        after = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        policy = strategy.state_policy
+        return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
+
+
+def _states(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_floating_point():
+            out.append((name, t))
+    return out
