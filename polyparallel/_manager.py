@@ -75,7 +75,8 @@ class PluginManager:
         self._pm = pluggy.PluginManager("polyparallel")
         self._pm.add_hookspecs(hookspecs)
         self._autoload = autoload
-        self._loaded = False
+        self._loaded = False  # set once loading has *finished*: other threads wait for it
+        self._loading = False  # re-entrance from the loading thread (a plugin's import) returns early
         self._lock = threading.RLock()
         self._infos: dict[str, PluginInfo] = {}
         self._adapters: dict[str, Adapter] | None = None
@@ -92,44 +93,51 @@ class PluginManager:
         return self._pm.hook
 
     def load(self) -> None:
-        """Load entry-point plugins (idempotent). A no-op for ``PluginManager(autoload=False)``."""
+        """Load entry-point plugins (idempotent and thread-safe: a thread that arrives during the
+        first load waits for it). A no-op for ``PluginManager(autoload=False)``."""
         with self._lock:
-            if self._loaded:
+            if self._loaded or self._loading:
                 return
-            self._loaded = True
-            if not self._autoload:
+            self._loading = True
+            try:
                 # autoload=False means "only what register() is given": neither entry points
                 # nor POLYPARALLEL_PLUGINS, so unit tests are hermetic whatever the environment.
-                return
-            disabled = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
-            wanted = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
-            found: set[str] = set()
-            for dist, ep in _entry_points():
-                if disabled and ep.name not in wanted:
-                    continue
-                found.add(ep.name)
-                # A blocked plugin is not even imported (its import may be what is broken).
-                if self._pm.has_plugin(ep.name) or self._pm.is_blocked(ep.name):
-                    continue
-                try:
-                    plugin = ep.load()
-                    self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
-                except Exception as exc:  # a broken third-party plugin must not break the rest
-                    warnings.warn(
-                        f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from "
-                        f"{dist.metadata['Name']}: {type(exc).__name__}: {exc}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-            for name in wanted:
-                if name in found or self._pm.has_plugin(name) or self._pm.is_blocked(name):
-                    continue
-                try:
-                    self.register(importlib.import_module(name), name=name)
-                except Exception as exc:
-                    warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
-                                  f"nor an importable plugin module: {type(exc).__name__}: {exc}",
-                                  RuntimeWarning, stacklevel=2)
+                if self._autoload:
+                    self._load_entry_points()
+            finally:
+                self._loaded, self._loading = True, False
+
+    def _load_entry_points(self) -> None:
+        """The first load, under ``self._lock``: entry points, then ``POLYPARALLEL_PLUGINS`` modules."""
+        disabled = os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("", "0", "false", "no")
+        wanted = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+        found: set[str] = set()
+        for dist, ep in _entry_points():
+            if disabled and ep.name not in wanted:
+                continue
+            found.add(ep.name)
+            # A blocked plugin is not even imported (its import may be what is broken).
+            if self._pm.has_plugin(ep.name) or self._pm.is_blocked(ep.name):
+                continue
+            try:
+                plugin = ep.load()
+                self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
+            except Exception as exc:  # a broken third-party plugin must not break the rest
+                warnings.warn(
+                    f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from "
+                    f"{dist.metadata['Name']}: {type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        for name in wanted:
+            if name in found or self._pm.has_plugin(name) or self._pm.is_blocked(name):
+                continue
+            try:
+                self.register(importlib.import_module(name), name=name)
+            except Exception as exc:
+                warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
+                              f"nor an importable plugin module: {type(exc).__name__}: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     def register(
         self, plugin: object, name: str | None = None, *, dist: str | None = None, version: str | None = None

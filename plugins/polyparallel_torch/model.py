@@ -25,7 +25,7 @@ import polyparallel as pp
 
 from .runtime import TorchRuntime
 
-__all__ = ["default_plan", "wrap_module", "is_ddp"]
+__all__ = ["default_plan", "validate", "wrap_module", "is_ddp", "unwrap", "full_state"]
 
 
 def is_ddp(model: Any) -> bool:
@@ -81,29 +81,36 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
                 )
 
 
-def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> nn.Module:
-    """Apply the topology to ``model``: tensor plan, then DDP over the data group."""
+def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -> dict[str, Any]:
+    """Check the options and the plan against the model *before* any process group exists;
+    return the options with the tensor plan resolved (the default plan when none is given)."""
     unknown = set(options) - {"plan", "ddp_kwargs"}
     if unknown:
         raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=.")
     if is_ddp(model):
         raise TypeError("wrap_model() got a model that is already DistributedDataParallel; pass the bare module.")
-    topology = rt.topology
     if topology.size("pipeline") > 1:
         raise pp.UnsupportedTopologyError(
-            "the torch runtime does not implement pipeline stages in wrap_model yet (pipeline="
-            f"{topology.size('pipeline')}); use pipeline=1."
+            "the torch runtime does not implement pipeline stages in wrap_model (pipeline="
+            f"{topology.size('pipeline')}); use pipeline=1, or a plugin whose capabilities list the pipeline axis."
         )
+    options = dict(options)
+    if topology.size("tensor") > 1:
+        options["plan"] = options.get("plan") or default_plan(model)
+        _check_plan(model, options["plan"], topology.size("tensor"))
+    return options
+
+
+def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> nn.Module:
+    """Apply the topology to ``model`` (options already :func:`validate`-d): tensor plan, then
+    data parallelism over the data group."""
+    topology = rt.topology
     model = model.to(rt.device)
     if topology.size("tensor") > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
-        plan = options.get("plan") or default_plan(model)
-        _check_plan(model, plan, topology.size("tensor"))
-        if rt.mesh is not None:
-            model = parallelize_module(model, rt.submesh("tensor"), plan)
-    elif options.get("plan"):
-        pass  # a plan with tensor=1 is legal (same script on any topology): nothing to shard.
+        model = parallelize_module(model, rt.submesh("tensor"), options["plan"])
+    # A plan with tensor=1 is legal (the same script runs on any topology): nothing to shard.
     if topology.size("data") > 1 and topology.size("tensor") > 1:
         _broadcast_over_data(model, rt)
     elif topology.size("data") > 1:

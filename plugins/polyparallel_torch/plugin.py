@@ -57,8 +57,9 @@ def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, 
 
     if not isinstance(model, nn.Module):
         return None
-    from .model import wrap_module
+    from .model import validate, wrap_module
 
+    options = validate(model, session.topology, options)  # before any collective
     return wrap_module(model, _runtime(session), options)
 
 
@@ -79,20 +80,24 @@ def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
 
 
 def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
-    # Ours: any torch tensor, or only plain numbers/Means (the framework-free case; torch is the
-    # runtime that answers it when loaded). A mapping holding another runtime's arrays is not.
+    # Ours: any torch tensor, or only plain numbers/Means — the framework-free case, which this
+    # hook (trylast) answers when no other runtime claimed it first. A mapping holding another
+    # runtime's arrays is not ours.
     import numbers
 
+    values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
+    if all(isinstance(v, numbers.Real) for v in values):
+        return True
+    if not _torch_loaded():
+        return False
     import torch
 
-    values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
-    return any(isinstance(v, torch.Tensor) for v in values) or all(
-        isinstance(v, numbers.Real) for v in values)
+    return any(isinstance(v, torch.Tensor) for v in values)
 
 
-@hookimpl
+@hookimpl(trylast=True)
 def polyparallel_reduce_metrics(session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
-    if not _torch_loaded() or not _owns_metrics(metrics):
+    if not _owns_metrics(metrics):
         return None
     from .metrics import reduce
 

@@ -1,0 +1,65 @@
+"""The torch entry of ``polyparallel demo``: a plain PyTorch loop driven by the Strategy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import polyparallel as pp
+from polyparallel.demo import PROBLEM, load_digits_split
+
+__all__ = ["run_demo", "train_digits"]
+
+
+def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
+    """Runs in every launched process: shard, wrap, train, evaluate, reduce."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    p = PROBLEM
+    x_train, y_train, x_test, y_test = load_digits_split(seed=p.seed)
+    train = TensorDataset(torch.tensor(x_train), torch.tensor(y_train))
+    test = TensorDataset(torch.tensor(x_test), torch.tensor(y_test))
+    torch.manual_seed(p.seed)
+    model = nn.Sequential(nn.Linear(p.inputs, p.hidden), nn.ReLU(), nn.Linear(p.hidden, p.classes))
+    plan = None
+    if strategy.topology.size("tensor") != 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = strategy.wrap_model(model, **({"plan": plan} if plan else {}))
+    loader = strategy.shard_data(train, batch_size=p.global_batch, remainder="pad")
+    opt = torch.optim.SGD(model.parameters(), lr=p.lr, momentum=p.momentum)
+    step_times, last = [], pp.Mean(0.0, 0)
+    for _ in range(p.epochs):
+        total, count = 0.0, 0
+        for x, y in loader:
+            start = time.perf_counter()
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            strategy.sync_grads(model)
+            opt.step()
+            step_times.append(time.perf_counter() - start)
+            total += float(loss) * len(y)
+            count += len(y)
+        last = pp.Mean(total, count)
+    eval_loader = strategy.shard_data(test, batch_size=p.global_batch, remainder="uneven", shuffle=False)
+    correct, seen = 0, 0
+    model.eval()
+    with torch.no_grad():
+        for x, y in eval_loader:
+            correct += int((model(x).argmax(-1) == y).sum())
+            seen += len(y)
+    metrics = strategy.reduce_metrics({"final_loss": last, "accuracy": pp.Mean(correct, seen),
+                                       "step_time_ms": 1000 * statistics.median(step_times)})
+    return metrics
+
+
+def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:
+    """``polyparallel demo`` entry: launch ``nprocs`` processes, return the table row."""
+    results = pp.launch(train_digits, strategy, nprocs, args=(strategy,), runtime="torch", timeout=600)
+    row = results[strategy.topology.resolve(nprocs).ranks_with_role("logger")[0]]
+    return {"framework": "pytorch (plain loop)", "topology": repr(strategy.topology.resolve(nprocs)), **row}
