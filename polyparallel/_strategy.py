@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NoPluginError, TopologyError
+from ._manager import get_plugin_manager
 from ._policies import DataPolicy, GradPolicy, MetricPolicy, StatePolicy
 from ._topology import Topology
 
@@ -149,11 +150,7 @@ class Strategy:
     @property
     def plugin_manager(self) -> PluginManager:
         """The plugin manager this strategy dispatches through."""
-        if self._pm is not None:
-            return self._pm
-        from ._manager import get_plugin_manager
-
-        return get_plugin_manager()
+        return self._pm if self._pm is not None else get_plugin_manager()
 
     def session(self) -> Session:
         """This process's :class:`Session` (rank, resolved topology, runtime objects), made on first use."""

@@ -131,7 +131,8 @@ def _broadcast_over_data(model: nn.Module, rt: TorchRuntime) -> None:
     tensors = [t.to_local() if hasattr(t, "to_local") else t
                for t in [*model.parameters(), *model.buffers()]]
     with torch.no_grad():
-        for dtype in {t.dtype for t in tensors}:
+        # A sorted order: iterating a set of dtypes differs between processes (hash of id).
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
             group = [t.data for t in tensors if t.dtype == dtype]
             flat = _flatten_dense_tensors(group)
             rt.broadcast(flat, "wrap_model (parameter broadcast)", "data")

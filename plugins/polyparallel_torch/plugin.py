@@ -25,10 +25,28 @@ def _torch_loaded() -> bool:
     return "torch" in sys.modules
 
 
-def _runtime(session: pp.Session) -> Any:
-    from .runtime import get_runtime
+class _Lazy:
+    """torch and this plugin's torch-importing modules, imported once on first use (hooks run
+    on every operation: re-running import statements each call would dominate dispatch cost)."""
 
-    return get_runtime(session)
+    def __getattr__(self, name: str) -> Any:
+        import torch
+        from torch import nn
+        from torch.utils.data import DataLoader, Dataset
+
+        from . import data, grads, metrics, model, runtime, states
+
+        values = dict(torch=torch, nn=nn, DataLoader=DataLoader, Dataset=Dataset, data=data, grads=grads,
+                      metrics=metrics, model=model, runtime=runtime, states=states)
+        self.__dict__.update(values)
+        return values[name]
+
+
+_lazy = _Lazy()
+
+
+def _runtime(session: pp.Session) -> Any:
+    return _lazy.runtime.get_runtime(session)
 
 
 @hookimpl
@@ -38,44 +56,28 @@ def polyparallel_capabilities() -> pp.Capabilities:
 
 @hookimpl
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
-    if not _torch_loaded():
+    if not _torch_loaded() or not isinstance(data, (_lazy.Dataset, _lazy.DataLoader)):
         return None
-    from torch.utils.data import DataLoader, Dataset
-
-    if not isinstance(data, (Dataset, DataLoader)):
-        return None
-    from .data import shard_loader
-
-    return shard_loader(data, session, policy, strategy)
+    return _lazy.data.shard_loader(data, session, policy, strategy)
 
 
 @hookimpl
 def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
-    if not _torch_loaded():
+    if not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
-    from torch import nn
-
-    if not isinstance(model, nn.Module):
-        return None
-    from .model import validate, wrap_module
-
-    options = validate(model, session.topology, options)  # before any collective
-    return wrap_module(model, _runtime(session), options)
+    options = _lazy.model.validate(model, session.topology, options)  # before any collective
+    return _lazy.model.wrap_module(model, _runtime(session), options)
 
 
 @hookimpl
 def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
     if not _torch_loaded():
         return None
-    import torch
-    from torch import nn
-
-    if isinstance(target, nn.Module) or (
-        isinstance(target, (list, tuple)) and target and all(isinstance(g, torch.Tensor) or g is None for g in target)
+    if isinstance(target, _lazy.nn.Module) or (
+        isinstance(target, (list, tuple)) and target
+        and all(isinstance(g, _lazy.torch.Tensor) or g is None for g in target)
     ):
-        from .grads import sync_gradients
-
-        return sync_gradients(target, _runtime(session))
+        return _lazy.grads.sync_gradients(target, _runtime(session))
     return None
 
 
@@ -88,35 +90,25 @@ def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
     values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
     if all(isinstance(v, numbers.Real) for v in values):
         return True
-    if not _torch_loaded():
-        return False
-    import torch
-
-    return any(isinstance(v, torch.Tensor) for v in values)
+    return _torch_loaded() and any(isinstance(v, _lazy.torch.Tensor) for v in values)
 
 
 @hookimpl(trylast=True)
 def polyparallel_reduce_metrics(session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
     if not _owns_metrics(metrics):
         return None
-    from .metrics import reduce
-
-    return reduce(metrics, _runtime(session))
+    return _lazy.metrics.reduce(metrics, _runtime(session))
 
 
 @hookimpl
 def polyparallel_sync_states(session: pp.Session, states: Any) -> Any:
     if not _torch_loaded():
         return None
-    import torch
-    from torch import nn
-
-    if not (isinstance(states, nn.Module) or (
-            isinstance(states, Mapping) and states and all(isinstance(v, torch.Tensor) for v in states.values()))):
+    if not (isinstance(states, _lazy.nn.Module) or (
+            isinstance(states, Mapping) and states
+            and all(isinstance(v, _lazy.torch.Tensor) for v in states.values()))):
         return None
-    from .states import sync
-
-    return sync(states, _runtime(session))
+    return _lazy.states.sync(states, _runtime(session))
 
 
 @hookimpl

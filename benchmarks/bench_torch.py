@@ -1,0 +1,204 @@
+"""Ratio benchmarks of the torch runtime against hand-written native code, side by side.
+
+    python benchmarks/bench_torch.py [--quick] [--json results.json]
+
+(a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
+    one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
+    one all_reduce per parameter;
+(b) a training step through the strategy (shard_data + wrap_model + sync_grads) against a
+    hand-written DDP loop on the same model, data and process group, runs interleaved;
+(c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
+    model);
+(d) ``import polyparallel`` time (fresh interpreters).
+
+Every multi-process figure comes from the same 2 gloo processes, alternating the two sides so
+that machine noise hits both alike. Ratios > 1 mean polyparallel is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import timeit
+from typing import Any
+
+import polyparallel as pp
+
+
+def _median_time(fn: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _grad_sync_worker(quick: bool) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    strategy = pp.Strategy(data=2, timeout=120)
+    rt = __import__("polyparallel_torch.runtime", fromlist=["get_runtime"]).get_runtime(strategy.session())
+    group = rt.group("data")
+    repeats = 5 if quick else 15
+    out = {}
+    shapes = {"many small (2000 x 1 KiB)": [(256,)] * 2000, "few large (4 x 16 MiB)": [(4 * 1024 * 1024,)] * 4}
+    for label, param_shapes in shapes.items():
+        model = nn.Module()
+        model.params = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in param_shapes])
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        nbytes = sum(p.numel() * 4 for p in model.parameters())
+        flat = torch.ones(nbytes // 4)
+
+        def ours() -> None:
+            strategy.sync_grads(model)
+
+        def flat_buffer() -> None:
+            dist.all_reduce(flat, group=group)
+            flat.div_(2)
+
+        def per_param() -> None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(2)
+
+        for fn in (ours, flat_buffer, per_param):
+            fn()  # warm up
+        times: dict[str, list[float]] = {"ours": [], "flat": [], "per_param": []}
+        for _ in range(repeats):  # interleaved
+            for name, fn in (("ours", ours), ("flat", flat_buffer), ("per_param", per_param)):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+        out[label] = {k: statistics.median(v) for k, v in times.items()} | {"bytes": nbytes}
+    return out
+
+
+def _train_step_worker(quick: bool) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    strategy = pp.Strategy(data=2, timeout=120, batch_size=128)
+    rt = __import__("polyparallel_torch.runtime", fromlist=["get_runtime"]).get_runtime(strategy.session())
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(4096, 256), torch.randint(0, 10, (4096,)))
+
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    # hand-written: DDP on the default group of 2, DistributedSampler, the same global batch
+    native_model = nn.parallel.DistributedDataParallel(model_())
+    native_loader = DataLoader(ds, batch_size=64, sampler=DistributedSampler(ds, seed=0))
+    native_opt = torch.optim.SGD(native_model.parameters(), lr=0.01)
+    ours_model = strategy.wrap_model(model_())
+    ours_loader = strategy.shard_data(ds)
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.01)
+
+    def native_step(batch: Any) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(native_model(x), y)
+        native_opt.zero_grad()
+        loss.backward()
+        native_opt.step()
+
+    def ours_step(batch: Any) -> None:
+        x, y = batch
+        loss = nn.functional.cross_entropy(ours_model(x), y)
+        ours_opt.zero_grad()
+        loss.backward()
+        strategy.sync_grads(ours_model)  # the documented no-op under DDP, paid for here
+        ours_opt.step()
+
+    epochs = 1 if quick else 3
+    times: dict[str, list[float]] = {"native": [], "ours": []}
+    for epoch in range(epochs):
+        native_loader.sampler.set_epoch(epoch)
+        for native_batch, ours_batch in zip(native_loader, ours_loader):
+            for name, step, batch in (("native", native_step, native_batch), ("ours", ours_step, ours_batch)):
+                dist.barrier()
+                start = time.perf_counter()
+                step(batch)
+                times[name].append(time.perf_counter() - start)
+    del rt
+    return {k: statistics.median(v[5:]) for k, v in times.items()}
+
+
+def dispatch_cost() -> dict[str, float]:
+    class Noop:
+        @pp.hookimpl
+        def polyparallel_sync_grads(self, target: Any) -> Any:
+            return target
+
+    pm = pp.PluginManager(autoload=False)
+    pm.register(Noop(), name="noop")
+    strategy = pp.Strategy(data=1, plugin_manager=pm)
+    target = object()
+    strategy.sync_grads(target)
+    n = 100_000
+    out = {"no-op plugin": min(timeit.repeat(lambda: strategy.sync_grads(target), number=n, repeat=5)) / n}
+    import torch  # noqa: F401  (the torch plugin answers only once torch is loaded)
+    from torch import nn
+
+    torch_strategy = pp.Strategy(data=1)
+    module = nn.Linear(2, 2)
+    torch_strategy.sync_grads(module)
+    out["torch sync_grads no-op"] = min(timeit.repeat(lambda: torch_strategy.sync_grads(module), number=n, repeat=5)) / n
+    return out
+
+
+def import_time(repeats: int = 5) -> float:
+    code = "import time; t = time.perf_counter(); import polyparallel; print(time.perf_counter() - t)"
+    return statistics.median(float(subprocess.check_output([sys.executable, "-c", code])) for _ in range(repeats))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    strategy = pp.Strategy(data=2, timeout=120)
+    rows: list[tuple[str, str, str]] = []
+    figures: dict[str, Any] = {}
+
+    grads = pp.launch(_grad_sync_worker, strategy, 2, args=(args.quick,), timeout=900)[0]
+    for label, t in grads.items():
+        mb = t["bytes"] / 2**20
+        figures[f"sync_grads {label}"] = t
+        rows.append((f"sync_grads, {label}", f"{mb / t['ours']:.0f} MiB/s vs flat {mb / t['flat']:.0f} MiB/s",
+                     f"{t['flat'] / t['ours']:.2f}x flat, {t['per_param'] / t['ours']:.2f}x per-param"))
+    steps = pp.launch(_train_step_worker, strategy, 2, args=(args.quick,), timeout=900)
+    native, ours = statistics.mean(s["native"] for s in steps), statistics.mean(s["ours"] for s in steps)
+    figures["train step"] = {"native_s": native, "ours_s": ours}
+    rows.append(("training step (DDP, 2 ranks)", f"{ours * 1e3:.2f} ms vs hand-written {native * 1e3:.2f} ms",
+                 f"{native / ours:.3f}x"))
+    for label, seconds in dispatch_cost().items():
+        figures[f"dispatch {label}"] = seconds
+        rows.append((f"dispatch, {label}", f"{seconds * 1e6:.2f} us per call", "-"))
+    t_import = import_time()
+    figures["import polyparallel"] = t_import
+    rows.append(("import polyparallel", f"{t_import * 1e3:.1f} ms", "-"))
+
+    width = [max(len(r[i]) for r in rows + [("benchmark", "figure", "ratio (ours/native speed)")]) for i in range(3)]
+    print(f"{'benchmark':<{width[0]}}  {'figure':<{width[1]}}  ratio (ours/native speed)")
+    for r in rows:
+        print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""``polyparallel/_capabilities.py``: what a target can run, checked before launch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+
+import pytest
+
+import polyparallel as pp
+from polyparallel import Capabilities, Topology
+
+
+def test_defaults_are_data_parallel_only():
+    caps = Capabilities("ignite")
+    assert caps.axes == {"data"} and caps.features == frozenset() and caps.plugin == ""
+
+
+def test_axes_and_features_become_frozensets():
+    caps = Capabilities("torch", axes=["data", "tensor"], features=("no_sync",))
+    assert caps.axes == frozenset({"data", "tensor"}) and isinstance(caps.axes, frozenset)
+    assert caps.features == frozenset({"no_sync"}) and isinstance(caps.features, frozenset)
+    assert hash(caps) == hash(Capabilities("torch", axes={"tensor", "data"}, features={"no_sync"}))
+
+
+def test_unknown_axis_is_refused():
+    with pytest.raises(ValueError, match=r"Capabilities\('x'\) names unknown axes \['expert'\]; expected a subset of"):
+        Capabilities("x", axes={"data", "expert"})
+
+
+@pytest.mark.parametrize("topology", [
+    Topology(), Topology(data=8), Topology(data=-1), Topology(data=2, tensor=2), Topology(data=4, tensor=1, pipeline=1),
+])
+def test_check_admits_supported_topologies(topology):
+    Capabilities("torch", axes={"data", "tensor"}).check(topology)  # no error
+
+
+def test_check_refuses_with_a_message_that_says_what_to_do():
+    caps = Capabilities("lightning", axes={"data"}, plugin="lightning-plugin")
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match=r"'lightning' \(plugin 'lightning-plugin'\) cannot run pipeline=2, tensor=4: it supports "
+                             r"parallelism along data only\. Set pipeline=1 and tensor=1, or use a target"):
+        caps.check(Topology(data=2, tensor=4, pipeline=2))
+
+
+def test_check_with_no_axis_and_an_inferred_axis():
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"cannot run data=-1: .* along no axis only"):
+        Capabilities("serial", axes=()).check(Topology(data=-1))
+
+
+def test_unsupported_topology_is_a_topology_error():
+    assert issubclass(pp.UnsupportedTopologyError, pp.TopologyError)
+
+
+def test_to_dict_is_json_ready():
+    caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
+    d = caps.to_dict()
+    assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch"}
+    assert json.loads(json.dumps(d)) == d
+
+
+def test_immutable_and_picklable():
+    caps = Capabilities("torch", axes={"data", "tensor"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.axes = frozenset()  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(caps)) == caps

@@ -1,0 +1,123 @@
+"""``polyparallel/_launch.py``: validate before any process starts, then hand over to a runtime.
+
+The runtime is a fake that runs ``fn`` serially in this process; real multi-process launching is
+the runtime plugins' tests' business.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import polyparallel as pp
+from polyparallel import Strategy
+
+
+def square_plus(x, *, offset=0):
+    return x * x + offset
+
+
+class SerialLauncher:
+    """Runs ``fn`` once per rank in this process; records what it was given."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    @pp.hookimpl
+    def polyparallel_launch(self, fn, strategy, nprocs, args, kwargs, timeout):
+        self.calls.append({"strategy": strategy, "nprocs": nprocs, "args": args, "kwargs": kwargs,
+                           "timeout": timeout})
+        return tuple(fn(*args, **kwargs) for _ in range(nprocs))  # any sequence: launch() lists it
+
+
+class Runtime:
+    @pp.hookimpl
+    def polyparallel_capabilities(self):
+        return pp.Capabilities("serial", axes={"data"})
+
+
+@pytest.fixture
+def launcher(manager):
+    plugin = SerialLauncher()
+    manager.register(plugin, name="serial")
+    manager.register(Runtime(), name="serial-runtime")
+    return plugin
+
+
+def test_results_are_returned_per_rank(manager, launcher):
+    s = Strategy(plugin_manager=manager)
+    assert pp.launch(square_plus, s, nprocs=3, args=[4], kwargs={"offset": 1}) == [17, 17, 17]
+    (call,) = launcher.calls
+    assert call == {"strategy": s, "nprocs": 3, "args": (4,), "kwargs": {"offset": 1}, "timeout": None}
+
+
+def test_timeout_is_handed_to_the_runtime(manager, launcher):
+    pp.launch(square_plus, Strategy(plugin_manager=manager), 2, (1,), timeout=30.0)
+    assert launcher.calls[0]["timeout"] == 30.0
+
+
+def test_a_runtime_may_take_a_subset_of_the_arguments(manager):
+    class Minimal:
+        @pp.hookimpl
+        def polyparallel_launch(self, fn, nprocs):
+            return [fn(rank) for rank in range(nprocs)]
+
+    manager.register(Minimal(), name="minimal")
+    assert pp.launch(square_plus, Strategy(plugin_manager=manager), nprocs=3) == [0, 1, 4]
+
+
+def test_the_first_runtime_that_can_launch_does(manager, launcher):
+    class CannotLaunch:
+        @pp.hookimpl
+        def polyparallel_launch(self, nprocs):
+            return None  # e.g. the XLA runtime outside a TPU host
+
+    manager.register(CannotLaunch(), name="cannot")
+    assert pp.launch(square_plus, Strategy(plugin_manager=manager), 2, (3,)) == [9, 9]
+
+
+@pytest.mark.parametrize("nprocs", [0, -2, 2.0, True, "2", None])
+def test_invalid_nprocs(manager, launcher, nprocs):
+    with pytest.raises(pp.TopologyError, match=rf"launch\(nprocs=\) must be a positive int\. Received: {nprocs!r}\."):
+        pp.launch(square_plus, Strategy(plugin_manager=manager), nprocs)
+    assert launcher.calls == []
+
+
+def test_fn_must_be_callable(manager, launcher):
+    with pytest.raises(TypeError, match=r"launch\(\) needs a callable\. Received: str\."):
+        pp.launch("train.py", Strategy(plugin_manager=manager), 2)
+
+
+def test_a_topology_that_does_not_fit_is_refused_before_any_process_starts(manager, launcher):
+    with pytest.raises(pp.TopologyError, match=r"needs 4 ranks but the world size is 3"):
+        pp.launch(square_plus, Strategy(data=2, tensor=2, plugin_manager=manager), nprocs=3)
+    with pytest.raises(pp.TopologyError, match=r"does not divide world size 3"):
+        pp.launch(square_plus, Strategy(tensor=2, plugin_manager=manager), nprocs=3)
+    assert launcher.calls == []
+
+
+def test_runtime_capabilities_are_checked_before_any_process_starts(manager, launcher):
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'serial' \(plugin 'serial-runtime'\) cannot run tensor=2"):
+        pp.launch(square_plus, Strategy(tensor=2, plugin_manager=manager), nprocs=4, runtime="serial")
+    with pytest.raises(pp.NoPluginError, match=r"No installed plugin provides the target 'tpu'"):
+        pp.launch(square_plus, Strategy(plugin_manager=manager), nprocs=4, runtime="tpu")
+    assert launcher.calls == []
+    assert pp.launch(square_plus, Strategy(plugin_manager=manager), 2, (2,), runtime="serial") == [4, 4]
+
+
+def test_no_runtime_can_launch(manager):
+    with pytest.raises(pp.NoPluginError, match=r"No installed plugin can launch processes \(none implements "
+                                               r"polyparallel_launch\)\. Install a runtime: pip install"):
+        pp.launch(square_plus, Strategy(plugin_manager=manager), 2)
+
+
+def test_a_failing_rank_is_reported_as_launch_error(manager):
+    class FailingLauncher:
+        @pp.hookimpl
+        def polyparallel_launch(self, nprocs):
+            raise pp.LaunchError("rank 1 failed: ZeroDivisionError", rank=1, traceback="Traceback ...")
+
+    manager.register(FailingLauncher(), name="failing")
+    with pytest.raises(pp.LaunchError, match="rank 1 failed") as info:
+        pp.launch(square_plus, Strategy(plugin_manager=manager), 2)
+    assert info.value.rank == 1
+    assert info.value.__notes__ == ["raised by plugin 'failing' in polyparallel_launch"]
