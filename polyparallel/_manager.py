@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import importlib.metadata
 import os
@@ -248,7 +249,7 @@ class PluginManager:
                     def register(name: str, factory: Callable[..., Any], capabilities: Capabilities | None = None,
                                  description: str = "", _plugin: str = impl.plugin_name) -> None:
                         caps = capabilities or Capabilities(target=name)
-                        caps = Capabilities(name, caps.axes, caps.features, _plugin)
+                        caps = dataclasses.replace(caps, target=name, plugin=_plugin)
                         collected[name] = Adapter(name, factory, caps, _plugin, description)
                     _call_impl(impl, "polyparallel_register_adapters", register=register)
                 # Assigned only when complete: a plugin that failed is retried, not half-cached.
@@ -261,7 +262,7 @@ class PluginManager:
         for impl in self.hook.polyparallel_capabilities.get_hookimpls():
             declared = _call_impl(impl, "polyparallel_capabilities")
             for caps in declared if isinstance(declared, (list, tuple)) else [declared] if declared else []:
-                result[caps.target] = Capabilities(caps.target, caps.axes, caps.features, impl.plugin_name)
+                result[caps.target] = dataclasses.replace(caps, plugin=impl.plugin_name)
         for adapter in self.adapters().values():
             result[adapter.name] = adapter.capabilities
         return result

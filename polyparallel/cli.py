@@ -109,7 +109,7 @@ def launch(command: tuple[str, ...], **options: Any) -> None:
 def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> None:
     """Train the demo problem with one Strategy through every installed plugin, side by side."""
     entries: dict[str, Any] = {}
-    get_plugin_manager().hook.polyparallel_register_demos(register=lambda name, run: entries.__setitem__(name, run))
+    get_plugin_manager().call("polyparallel_register_demos", register=lambda name, run: entries.__setitem__(name, run))
     if only:
         missing = sorted(set(only) - set(entries))
         if missing:

@@ -4,6 +4,8 @@
   sub-mesh, with the user's ``plan=`` or, for an ``nn.Sequential`` of ``nn.Linear`` layers, the
   Megatron default (:func:`default_plan`): consecutive Linear layers alternate column- then
   row-parallel, so activations between a pair stay sharded and one all-reduce closes each pair.
+- ``pipeline > 1``: an ``nn.Sequential`` cut into stages on ``torch.distributed.pipelining``
+  (:mod:`polyparallel_torch.pipeline`); data parallelism over it is ``sync_grads``.
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op). Never DataParallel.
 - ``data > 1`` with ``tensor > 1``: the tensor-parallel module is returned as is, its parameters
@@ -84,16 +86,17 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
 def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -> dict[str, Any]:
     """Check the options and the plan against the model *before* any process group exists;
     return the options with the tensor plan resolved (the default plan when none is given)."""
-    unknown = set(options) - {"plan", "ddp_kwargs"}
+    unknown = set(options) - {"plan", "ddp_kwargs", "loss_fn", "microbatches", "split_points"}
     if unknown:
-        raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=.")
+        raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=, "
+                        "and for pipeline>1 loss_fn=, microbatches=, split_points=.")
     if is_ddp(model):
         raise TypeError("wrap_model() got a model that is already DistributedDataParallel; pass the bare module.")
     if topology.size("pipeline") > 1:
-        raise pp.UnsupportedTopologyError(
-            "the torch runtime does not implement pipeline stages in wrap_model (pipeline="
-            f"{topology.size('pipeline')}); use pipeline=1, or a plugin whose capabilities list the pipeline axis."
-        )
+        from .pipeline import validate_pipeline
+
+        validate_pipeline(model, topology, options)
+        return dict(options)
     options = dict(options)
     if topology.size("tensor") > 1:
         options["plan"] = options.get("plan") or default_plan(model)
@@ -105,6 +108,11 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> 
     """Apply the topology to ``model`` (options already :func:`validate`-d): tensor plan, then
     data parallelism over the data group."""
     topology = rt.topology
+    if topology.size("pipeline") > 1:
+        from .pipeline import PipelineModel
+
+        return PipelineModel(model, rt, options["loss_fn"], options.get("microbatches", topology.size("pipeline")),
+                             options.get("split_points"))
     model = model.to(rt.device)
     if topology.size("tensor") > 1:
         from torch.distributed.tensor.parallel import parallelize_module

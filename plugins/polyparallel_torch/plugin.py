@@ -16,8 +16,8 @@ from polyparallel import hookimpl
 __all__: list[str] = []
 
 CAPABILITIES = pp.Capabilities(
-    "torch", axes={"data", "tensor"},
-    features={"ddp", "tensor_parallel_plan", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
+    "torch", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
+    features={"ddp", "tensor_parallel_plan", "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
 )
 
 

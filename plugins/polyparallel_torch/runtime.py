@@ -116,7 +116,7 @@ class TorchRuntime:
             yield
         except pp.PolyparallelError:
             raise
-        except Exception as exc:  # gloo/nccl raise RuntimeError/DistBackendError with backend text
+        except RuntimeError as exc:  # gloo/nccl raise RuntimeError/DistBackendError with backend text
             text = str(exc)
             timed_out = "timeout" in text.lower() or "timed out" in text.lower()
             peers = self.group_ranks(axis) if axis in self.topology.axis_names else list(range(self.world_size))

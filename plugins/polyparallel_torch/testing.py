@@ -91,7 +91,7 @@ class TorchDriver(ConformanceDriver):
     """Plain PyTorch through ``Strategy.shard_data/wrap_model/sync_grads/reduce_metrics/sync_states``."""
 
     target = "torch"
-    unsupported = (pp.Topology(pipeline=2, data=1),)
+    unsupported = (pp.Topology(pipeline=2, tensor=2),)
 
     def _plan(self, strategy: pp.Strategy) -> dict[str, Any]:
         return {"plan": reference_plan()} if strategy.topology.size("tensor") != 1 else {}

@@ -9,7 +9,7 @@ import pickle
 import pytest
 
 import polyparallel as pp
-from polyparallel import Capabilities, Topology
+from polyparallel import Capabilities, Topology, UnsupportedTopologyError
 
 
 def test_defaults_are_data_parallel_only():
@@ -56,7 +56,8 @@ def test_unsupported_topology_is_a_topology_error():
 def test_to_dict_is_json_ready():
     caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
     d = caps.to_dict()
-    assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch"}
+    assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch",
+                 "excludes": []}
     assert json.loads(json.dumps(d)) == d
 
 
@@ -65,3 +66,14 @@ def test_immutable_and_picklable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         caps.axes = frozenset()  # type: ignore[misc]
     assert pickle.loads(pickle.dumps(caps)) == caps
+
+
+def test_excluded_axis_combinations_are_refused_together_but_not_alone():
+    caps = Capabilities("rt", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},))
+    caps.check(Topology(data=2, tensor=2))
+    caps.check(Topology(data=2, pipeline=2))
+    with pytest.raises(UnsupportedTopologyError, match="'rt' cannot combine pipeline=2 with tensor=2"):
+        caps.check(Topology(tensor=2, pipeline=2))
+    assert caps.to_dict()["excludes"] == [["pipeline", "tensor"]]
+    with pytest.raises(ValueError, match="unknown axes"):
+        Capabilities("rt", excludes=({"tensor", "expert"},))

@@ -80,7 +80,8 @@ def test_plugins_json_lists_the_installed_records_plugin(python):
     assert records["distribution"] == "polyparallel-records" and records["version"] == "0.1.0"
     assert records["hooks"] == ["polyparallel_register_adapters", "polyparallel_shard_data"]
     assert records["adapters"] == ["records"]
-    assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records"}]
+    assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records",
+                                        "excludes": []}]
 
 
 def test_plugins_table(python):

@@ -57,11 +57,11 @@ def test_launch_timeout_terminates_everything():
 def test_world_size_mismatch_refused_before_any_process():
     start = time.monotonic()
     with pytest.raises(pp.TopologyError, match=r"needs 2 ranks but the world size is 3"):
-        pp.launch(_sleep_forever, pp.Strategy(data=2), 3)
+        pp.launch(_sleep_forever, pp.Strategy(data=2), 3, timeout=5)
     with pytest.raises(pp.TopologyError, match="does not divide world size 3"):
-        pp.launch(_sleep_forever, pp.Strategy(data=-1, tensor=2), 3)
-    with pytest.raises(pp.UnsupportedTopologyError, match="pipeline=2"):
-        pp.launch(_sleep_forever, pp.Strategy(data=1, pipeline=2), 2, runtime="torch")
+        pp.launch(_sleep_forever, pp.Strategy(data=-1, tensor=2), 3, timeout=5)
+    with pytest.raises(pp.UnsupportedTopologyError, match="cannot combine pipeline=2 with tensor=2"):
+        pp.launch(_sleep_forever, pp.Strategy(tensor=2, pipeline=2), 4, runtime="torch", timeout=5)
     assert time.monotonic() - start < 1.0
 
 

@@ -48,11 +48,12 @@ def test_plan_splitting_features_unevenly(monkeypatch):
         s.wrap_model(model)
 
 
-def test_pipeline_is_refused_and_declared(monkeypatch):
-    s = _strategy(monkeypatch, data=1, pipeline=2)
-    with pytest.raises(pp.UnsupportedTopologyError, match="pipeline"):
-        s.wrap_model(mlp())
-    with pytest.raises(pp.UnsupportedTopologyError, match="'torch'.*cannot run pipeline=2"):
+def test_tensor_with_pipeline_is_refused_and_declared(monkeypatch):
+    s = _strategy(monkeypatch, data=1, pipeline=2, tensor=1).replace(tensor=2, data=-1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(pp.UnsupportedTopologyError, match="cannot combine pipeline=2 with tensor=2"):
+        s.wrap_model(mlp(), loss_fn=nn.functional.cross_entropy)
+    with pytest.raises(pp.UnsupportedTopologyError, match="'torch'.*cannot combine pipeline=2 with tensor=2"):
         s.check("torch")
 
 
@@ -71,3 +72,8 @@ def test_world_size_one_needs_no_process_group():
     assert wrapped is model and not torch.distributed.is_initialized()
     assert s.sync_grads(wrapped) is wrapped
     assert s.reduce_metrics({"loss": pp.Mean(3.0, 2), "acc": torch.tensor(0.5)})["loss"] == 1.5
+
+
+def test_metric_of_a_type_nobody_handles():
+    with pytest.raises(pp.NoPluginError, match="reduce_metrics"):
+        pp.Strategy(data=1).reduce_metrics({"loss": "low"})

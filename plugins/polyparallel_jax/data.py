@@ -1,0 +1,149 @@
+"""Host data -> globally sharded batches over the ``data`` axis.
+
+Every data coordinate gets the strided shard ``order[d::data]`` of a permutation seeded by
+``(seed, epoch)``; devices that share a data coordinate (``tensor``/``pipeline`` replicas) get the
+same rows because the batch sharding is ``P("data")`` (replicated along the other axes). Global
+batch ``i`` is exactly ``order[i*B:(i+1)*B]``, the batch a single device would see with the same
+global batch size ``B`` and seed: this is what makes distributed training equal single-device
+training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import polyparallel as pp
+
+from .runtime import JaxRuntime
+
+__all__ = ["Batch", "DataError", "ShardedArrays", "is_host_data", "shard_order"]
+
+
+class DataError(pp.PolyparallelError, ValueError):
+    """Host data that cannot be sharded as asked (raised before compiling; a ``PolyparallelError``,
+    so the plugin manager passes it through unwrapped)."""
+
+
+def is_host_data(data: Any) -> bool:
+    """Whether ``data`` is host data this plugin owns: a numpy array, or a tuple/list/dict of
+    equally long numpy arrays. (torch objects are never numpy arrays, so no other runtime's
+    data is taken.)"""
+    if isinstance(data, np.ndarray):
+        return True
+    leaves = list(data.values()) if isinstance(data, Mapping) else list(data) if isinstance(data, (tuple, list)) else []
+    return bool(leaves) and all(isinstance(x, np.ndarray) for x in leaves)
+
+
+def shard_order(n: int, data_size: int, seed: int, epoch: int, shuffle: bool, remainder: str) -> list[np.ndarray]:
+    """The sample indices of each data coordinate for one epoch.
+
+    ``pad`` repeats the first samples of the order so every shard has the same length; ``drop``
+    drops the tail; ``uneven`` gives each sample exactly once (shard lengths differ by <= 1).
+    """
+    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
+    if remainder == "drop":
+        order = order[: n - n % data_size]
+    elif remainder == "pad" and n % data_size:
+        order = np.concatenate([order, order[: data_size - n % data_size]])
+    return [order[d::data_size] for d in range(data_size)]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One global batch: ``data`` (the input's structure, sharded ``P("data")``), ``mask``
+    (float32, 1 for a real sample, 0 for padding added by ``remainder="uneven"``), ``size`` (rows)
+    and ``indices`` (which sample each global row is, host numpy)."""
+
+    data: Any
+    mask: Any
+    size: int
+    indices: np.ndarray  # the sample index of every global row (padding rows included)
+
+
+class ShardedArrays:
+    """Host arrays sharded over the data axis of a JAX mesh (what ``Strategy.shard_data`` returns
+    for numpy input). Iterate :meth:`batches` per epoch; :meth:`indices` tells which samples each
+    data coordinate holds.
+    """
+
+    def __init__(self, data: Any, runtime: JaxRuntime, policy: pp.DataPolicy, seed: int):
+        self._structure, self._arrays = _flatten(data)
+        lengths = {len(a) for a in self._arrays}
+        if len(lengths) != 1:
+            raise DataError(f"shard_data() needs arrays of equal length (one row per sample). Received lengths "
+                             f"{[len(a) for a in self._arrays]}.")
+        self.num_samples = lengths.pop()
+        if self.num_samples == 0:
+            raise DataError("shard_data() received an empty data set (0 samples).")
+        self.runtime, self.policy, self.seed = runtime, policy, seed
+        data_size = runtime.data_size
+        if policy.batch_size is None:
+            raise DataError("shard_data() of arrays needs a global batch size: Strategy(batch_size=B) or "
+                             "strategy.shard_data(arrays, batch_size=B).")
+        if policy.batch_size % data_size:
+            raise DataError(f"The global batch size must be divisible by the data axis. Received: batch_size="
+                             f"{policy.batch_size} with data={data_size}; use a multiple of {data_size} "
+                             f"(e.g. {max(data_size, policy.batch_size // data_size * data_size)}).")
+        self.batch_size = policy.batch_size
+        self.per_device = policy.batch_size // data_size
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        longest = max(len(s) for s in self.indices(0))
+        return -(-longest // self.per_device)
+
+    def indices(self, epoch: int = 0) -> list[np.ndarray]:
+        """Per data coordinate, the sample indices it trains on in ``epoch`` (no padding of
+        ``uneven`` included)."""
+        return shard_order(self.num_samples, self.runtime.data_size, self.seed, epoch,
+                           self.policy.shuffle, self.policy.remainder)
+
+    def batches(self, epoch: int = 0) -> Iterator[Batch]:
+        """The global batches of ``epoch``, as ``jax.Array``s sharded over the data axis."""
+        import jax
+
+        shards = self.indices(epoch)
+        longest = max(len(s) for s in shards)
+        # uneven: shorter shards are padded with their first sample and a 0 mask.
+        padded = [np.concatenate([s, np.full(longest - len(s), s[0] if len(s) else 0)]) for s in shards]
+        masks = [np.concatenate([np.ones(len(s), np.float32), np.zeros(longest - len(s), np.float32)]) for s in shards]
+        local = self.runtime.local_data_coords()
+        sharding = self.runtime.sharding("data")
+        for start in range(0, longest, self.per_device):
+            stop = min(start + self.per_device, longest)
+            rows = np.concatenate([padded[d][start:stop] for d in local])
+            global_rows = (stop - start) * self.runtime.data_size
+            arrays = [jax.make_array_from_process_local_data(sharding, a[rows], (global_rows, *a.shape[1:]))
+                      for a in self._arrays]
+            mask = np.concatenate([masks[d][start:stop] for d in local])
+            every = np.concatenate([padded[d][start:stop] for d in range(self.runtime.data_size)])
+            yield Batch(_unflatten(self._structure, arrays),
+                        jax.make_array_from_process_local_data(sharding, mask, (global_rows,)), global_rows, every)
+
+    def __repr__(self) -> str:
+        return (f"ShardedArrays({self.num_samples} samples, batch_size={self.batch_size} over "
+                f"data={self.runtime.data_size}, remainder={self.policy.remainder!r})")
+
+
+def _flatten(data: Any) -> tuple[Any, list[np.ndarray]]:
+    if isinstance(data, np.ndarray):
+        return None, [data]
+    if isinstance(data, Mapping):
+        keys = list(data)
+        return ("dict", keys), [np.asarray(data[k]) for k in keys]
+    if isinstance(data, (tuple, list)):
+        return (type(data).__name__, len(data)), [np.asarray(x) for x in data]
+    raise TypeError(f"shard_data() takes a numpy array or a tuple/list/dict of them. Received: {type(data).__name__}.")
+
+
+def _unflatten(structure: Any, arrays: Sequence[Any]) -> Any:
+    if structure is None:
+        return arrays[0]
+    kind, info = structure
+    if kind == "dict":
+        return dict(zip(info, arrays))
+    return tuple(arrays) if kind == "tuple" else list(arrays)

@@ -1,0 +1,131 @@
+"""Start JAX processes on this machine, joined by ``jax.distributed`` (gloo collectives on CPU).
+
+``launch_processes(fn, nprocs)`` pickles ``fn`` and its arguments, starts ``nprocs`` fresh
+interpreters (``python -m polyparallel_jax.launch``) with the coordinator on 127.0.0.1, and
+returns their results by process. Every wait is bounded: a process that fails or does not finish
+in ``timeout`` seconds stops the others and raises :class:`polyparallel.LaunchError`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import polyparallel as pp
+
+from .runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_RUNTIME, ensure_distributed
+
+__all__ = ["launch_processes", "process_env"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(process_id: int, nprocs: int, port: int, devices_per_process: int,
+                base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of one launched JAX process (CPU devices, coordinator on 127.0.0.1)."""
+    env = dict(os.environ if base is None else base)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env.update({
+        ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(nprocs), ENV_PROCESS_ID: str(process_id),
+        ENV_RUNTIME: "jax", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip(),
+    })
+    return env
+
+
+def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwargs: dict | None = None, *,
+                     devices_per_process: int = 1, timeout: float = 120.0) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``nprocs`` JAX processes; return the results by process.
+
+    :param fn: a picklable (module-level) callable.
+    :param devices_per_process: CPU devices each process gets.
+    :param timeout: seconds for the whole run; past it every process is killed.
+    """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise pp.TopologyError(f"nprocs must be a positive int. Received: {nprocs!r}.")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="polyparallel-jax-") as tmp:
+        with open(os.path.join(tmp, "job.pkl"), "wb") as f:
+            pickle.dump((fn, tuple(args), dict(kwargs or {})), f)
+        procs = [subprocess.Popen([sys.executable, "-m", "polyparallel_jax.launch", tmp, str(i)],
+                                  env=process_env(i, nprocs, port, devices_per_process),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                 for i in range(nprocs)]
+        deadline = time.monotonic() + timeout
+        failed: int | None = None
+        try:
+            while any(p.poll() is None for p in procs):
+                failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                if failed is not None or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+        finally:
+            for p in procs:  # only the processes started here
+                if p.poll() is None:
+                    p.kill()
+            outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
+        if failed is None and any(p.returncode != 0 for p in procs):
+            raise pp.LaunchError(f"JAX processes did not finish within {timeout:g} s; killed. Output of process 0:\n"
+                                 f"{outputs[0][-3000:]}", rank=None, traceback=outputs[0])
+        if failed is not None:
+            path = os.path.join(tmp, f"error_{failed}.txt")
+            text = open(path).read() if os.path.exists(path) else outputs[failed][-3000:]
+            raise pp.LaunchError(f"JAX process {failed} of {nprocs} failed:\n{text}", rank=failed, traceback=text)
+        results = []
+        for i in range(nprocs):
+            with open(os.path.join(tmp, f"result_{i}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _child(tmp: str, process_id: int) -> int:
+    try:
+        ensure_distributed()  # before anything touches a device
+        with open(os.path.join(tmp, "job.pkl"), "rb") as f:
+            fn, args, kwargs = pickle.load(f)
+        result = fn(*args, **kwargs)
+        with open(os.path.join(tmp, f"result_{process_id}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        _barrier("polyparallel-jax-done")
+        return 0
+    except BaseException:
+        with open(os.path.join(tmp, f"error_{process_id}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        return 1
+
+
+def _barrier(name: str, timeout_s: int = 60) -> None:
+    # Wait for the peers through the coordination service (not a device collective, which would
+    # queue behind a stuck one), so process 0 does not take the coordinator down while a peer
+    # still needs it.
+    try:
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is not None:
+            client.wait_at_barrier(name, timeout_in_ms=timeout_s * 1000)
+    except Exception:  # a peer that failed already is reported by the launcher
+        pass
+
+
+if __name__ == "__main__":
+    code = _child(sys.argv[1], int(sys.argv[2]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a process whose peer skipped a collective still has a blocked
+    # XLA thread, and jax.distributed's shutdown barrier would wait for a peer that has left.
+    os._exit(code)

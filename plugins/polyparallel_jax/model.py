@@ -1,0 +1,462 @@
+"""An Elegy-style ``Model`` on Flax NNX and optax, parallelised by one polyparallel ``Strategy``.
+
+>>> model = Model(module, loss="cross_entropy", optimizer=optax.adam(1e-3), metrics=["accuracy"])  # doctest: +SKIP
+>>> model.fit(x, y, epochs=5, batch_size=64, strategy=pp.Strategy(data=-1))              # doctest: +SKIP
+
+The train step is one ``jax.jit`` program: a ``shard_map`` manual over ``data`` (each device
+computes the gradient of its own rows; ``strategy.sync_grads`` averages them) and automatic
+(GSPMD) over ``tensor`` (parameters split by partition rules), followed by the optax update on
+the sharded parameters. Metrics and losses are reduced count-weighted by
+``strategy.reduce_metrics``; BatchNorm statistics follow ``strategy.state_policy``:
+
+- ``mean`` (the default for ``batch_stats*``): synchronised BatchNorm — batch statistics over the
+  global batch at every step, so training equals single-device training on the same global batch;
+- ``local``: each device keeps statistics of its own rows (as PyTorch DDP without SyncBN); they
+  are averaged over ``data`` for ``evaluate``, ``predict``, ``save`` and ``model.module``.
+
+RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
+counters stay replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import polyparallel as pp
+
+from . import losses as _losses
+from .data import ShardedArrays
+from .progress import ProgressBar
+from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
+
+__all__ = ["Model"]
+
+DATA = "data"
+
+
+class _Plain:
+    """Stand-in for a strategy on one device: the same step code, no collectives."""
+
+    def sync_grads(self, grads: Any) -> Any:
+        return grads
+
+    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.total / v.count for k, v in metrics.items()}
+
+    def sync_states(self, states: Any) -> Any:
+        return states
+
+
+class Model:
+    """A trainable model: an NNX module with a loss, an optax optimizer and metrics.
+
+    :param module: a ``flax.nnx.Module`` mapping a batch of inputs to predictions.
+    :param loss: ``"cross_entropy"``, ``"mse"`` or ``fn(predictions, targets) -> per-sample loss``.
+    :param optimizer: an ``optax.GradientTransformation`` (default: ``optax.adam(1e-3)``).
+    :param metrics: names (``"accuracy"``) or callables ``fn(predictions, targets) -> per-sample``.
+    :param strategy: the default :class:`polyparallel.Strategy` for ``fit``/``evaluate``/``predict``.
+    :param plan: tensor-parallel partition rules (see :mod:`polyparallel_jax.partition`).
+    :param sync_every: block on a step result every this many steps. Several CPU devices in one
+        process deadlock when ~35+ steps containing collectives are queued; one wait every few
+        steps costs nothing measurable (the device is still busy with the queued steps).
+    """
+
+    def __init__(self, module: Any, loss: Any = "cross_entropy", optimizer: Any = None, metrics: Sequence[Any] = (),
+                 *, strategy: pp.Strategy | None = None, plan: Any = None, sync_every: int = 4):
+        from flax import nnx
+
+        if not isinstance(module, nnx.Module):
+            raise TypeError(f"Model(module=) must be a flax.nnx.Module. Received: {type(module).__name__}.")
+        if isinstance(metrics, str) or callable(metrics):
+            metrics = [metrics]
+        self.module = module
+        self.loss_name, self.loss_fn = _losses.resolve(loss, _losses.LOSSES, "loss")
+        self.metric_fns = dict(_losses.resolve(m, _losses.METRICS, "metric") for m in metrics)
+        if optimizer is None:
+            import optax
+
+            optimizer = optax.adam(1e-3)
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.plan = plan
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive int. Received: {sync_every!r}.")
+        self.sync_every = sync_every
+        self.history: dict[str, list[float]] = {}
+        self._placed: tuple[Any, ...] | None = None  # (strategy, runtime, wrapped)
+        self._opt_state: Any = None
+        self._local_stats: Any = None  # per-device statistics under the "local" policy
+        self._steps: dict[Any, Any] = {}
+        self._saved_opt_state: Any = None
+
+    # -- placement -----------------------------------------------------------------------------
+    def _place(self, strategy: pp.Strategy | None) -> tuple[Any, JaxRuntime, Any]:
+        """Put the module's state on the strategy's mesh (once per strategy)."""
+        import jax
+
+        if strategy is None and self._placed is not None:
+            return self._placed  # keep the current placement (evaluate after a distributed fit)
+        strategy = strategy if strategy is not None else self.strategy
+        if strategy is not None:
+            strategy = as_jax_strategy(strategy)
+            resolve_for_devices(strategy.topology)  # a JAX-worded error before any session
+            strategy.check("jax")  # pipeline > 1 is refused before anything is compiled
+        if self._placed is not None and self._placed[0] == strategy:
+            return self._placed
+        self._finish_local_stats()
+        if strategy is None:
+            runtime = JaxRuntime.single()
+            wrapped = None
+            from flax import nnx
+
+            nnx.update(self.module, jax.device_put(nnx.state(self.module), runtime.replicated))
+        else:
+            runtime = runtime_for(strategy)
+            wrapped = strategy.wrap_model(self.module, plan=self.plan)
+        self._placed = (strategy, runtime, wrapped)
+        self._opt_state, self._steps = None, {}
+        return self._placed
+
+    def _split(self, train: bool) -> tuple[Any, Any, Any, Any]:
+        from flax import nnx
+
+        strategy = self._placed[0] if self._placed else None
+        for _, sub in nnx.iter_modules(self.module):
+            if isinstance(sub, nnx.BatchNorm):
+                # Synchronised BatchNorm (global batch statistics) for the "mean" policy.
+                sync = strategy is not None and train and self._stats_action(strategy) == "mean"
+                sub.axis_name = DATA if sync else None
+        self.module.train() if train else self.module.eval()
+        return nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+
+    @staticmethod
+    def _stats_action(strategy: pp.Strategy) -> str:
+        return strategy.state_policy.action_for("batch_stats")
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _per_device(self, graphdef: Any, ops: Any, train: bool, local_stats: bool, fold_rngs: bool) -> Any:
+        import jax
+        import jax.numpy as jnp
+        from flax import nnx
+
+        def body(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
+            if local_stats:
+                stats = jax.tree.map(lambda s: s[0], stats)  # (1, ...) per device -> (...)
+            keys_in = rest
+            if fold_rngs:
+                index = jax.lax.axis_index(DATA)
+                rest = jax.tree.map(lambda v: v.replace(jax.random.fold_in(v.get_value(), index))
+                                    if isinstance(v, nnx.RngKey) else v, rest,
+                                    is_leaf=lambda v: isinstance(v, nnx.Variable))
+            count = jnp.sum(mask)
+            total_count = jax.lax.psum(count, DATA) if _in_data() else count
+            scale = jax.lax.axis_size(DATA) if _in_data() else 1
+
+            def objective(params: Any) -> Any:
+                model = nnx.merge(graphdef, params, stats, rest, copy=True)
+                predictions = model(x)
+                per_sample = self.loss_fn(predictions, y)
+                loss_sum = jnp.sum(per_sample * mask)
+                _, _, new_stats, new_rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+                # Local sum scaled so that sync_grads' mean over devices is the gradient of the
+                # global mean loss, exactly, even for shards of unequal size.
+                return loss_sum * scale / jnp.maximum(total_count, 1), (predictions, loss_sum, new_stats, new_rest)
+
+            if train:
+                (_, (predictions, loss_sum, new_stats, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+                grads = ops.sync_grads(grads)
+            else:
+                _, (predictions, loss_sum, new_stats, new_rest) = objective(params)
+                grads = None
+            values = {"loss": pp.Mean(loss_sum, count)}
+            for name, fn in self.metric_fns.items():
+                values[name] = pp.Mean(jnp.sum(fn(predictions, y) * mask), count)
+            metrics = ops.reduce_metrics(values)
+            if local_stats:
+                new_stats = jax.tree.map(lambda s: s[None], new_stats)
+            else:
+                new_stats = ops.sync_states(new_stats)
+            if fold_rngs:  # keys go back unfolded; counters advanced identically everywhere
+                new_rest = jax.tree.map(lambda new, old: new.replace(old.get_value()) if isinstance(new, nnx.RngKey) else new,
+                                        new_rest, keys_in, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            return grads, new_stats, new_rest, metrics, predictions
+
+        return body
+
+    def _step(self, train: bool) -> Any:
+        """The compiled train (or eval) step for the current placement, built once."""
+        import jax
+        import optax
+        from jax.sharding import PartitionSpec as P
+
+        key = ("train" if train else "eval", self._local_stats is not None and train)
+        if key in self._steps:
+            return self._steps[key]
+        strategy, runtime, _ = self._placed
+        graphdef, _, _, _ = self._split(train)
+        local = key[1]
+        if strategy is None:
+            body = self._per_device(graphdef, _Plain(), train, False, False)
+            mapped = body
+        else:
+            body = self._per_device(graphdef, strategy, train, local, True)
+            stats_spec = P(DATA) if local else P()
+            mapped = jax.shard_map(body, mesh=runtime.mesh, axis_names={DATA},
+                                   in_specs=(P(), stats_spec, P(), P(DATA), P(DATA), P(DATA)),
+                                   out_specs=(P(), stats_spec, P(), P(), P(DATA)))
+        tx = self.optimizer
+
+        if train:
+            def step(params: Any, stats: Any, rest: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
+                grads, stats, rest, metrics, _ = mapped(params, stats, rest, x, y, mask)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), stats, rest, opt_state, metrics
+            compiled = jax.jit(step, donate_argnums=(0, 1, 3))
+        else:
+            def step(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
+                _, _, _, metrics, predictions = mapped(params, stats, rest, x, y, mask)
+                return metrics, predictions
+            compiled = jax.jit(step)
+        self._steps[key] = compiled
+        return compiled
+
+    # -- data --------------------------------------------------------------------------------------
+    def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
+        strategy, runtime, _ = self._placed
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int. Received: {batch_size!r}.")
+        arrays = tuple(np.asarray(a) for a in arrays)
+        if strategy is None:
+            return ShardedArrays(arrays, runtime, pp.DataPolicy(batch_size, shuffle, remainder),
+                                 0 if seed is None else seed)
+        if seed is not None:
+            strategy = strategy.replace(seed=seed)
+        return strategy.shard_data(arrays, batch_size=batch_size, shuffle=shuffle, remainder=remainder)
+
+    # -- public API ------------------------------------------------------------------------------
+    def fit(self, x: Any, y: Any, epochs: int = 1, batch_size: int = 32, validation_data: tuple[Any, Any] | None = None,
+            strategy: pp.Strategy | None = None, *, shuffle: bool = True, verbose: int = 1,
+            seed: int | None = None) -> dict[str, list[float]]:
+        """Train for ``epochs`` over ``(x, y)`` with global batch ``batch_size``.
+
+        :param strategy: parallelise over devices (``Strategy(data=-1)``, ``Strategy(data=4,
+            tensor=2)``); ``None`` uses the Model's strategy, or one device.
+        :param validation_data: ``(x_val, y_val)`` evaluated after each epoch (``val_*`` keys).
+        :param verbose: 0 silences the progress bar (it prints on the logger process only).
+        :param seed: overrides ``strategy.seed`` for shuffling.
+        :return: :attr:`history`, ``name -> per-epoch values`` (``loss``, metrics, ``val_*``).
+        """
+        import jax
+        from flax import nnx
+
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"epochs must be a non-negative int. Received: {epochs!r}.")
+        self._place(strategy)
+        data = self._data((x, y), batch_size, shuffle, self._remainder(), seed)
+        graphdef, params, stats, rest = self._split(train=True)
+        if self._opt_state is None:
+            self._opt_state = self._init_optimizer(params)
+        stats = self._local_stats if self._local_stats is not None else self._maybe_local(stats)
+        step = self._step(train=True)  # after _maybe_local: the step's stats layout depends on it
+        opt_state = self._opt_state
+        logger = jax.process_index() == 0
+        for epoch in range(epochs):
+            bar = ProgressBar(len(data), f"epoch {epoch + 1}/{epochs}", enabled=bool(verbose) and logger)
+            results, pending = [], None
+            for i, batch in enumerate(data.batches(epoch)):
+                bx, by = batch.data
+                params, stats, rest, opt_state, metrics = step(params, stats, rest, opt_state, bx, by, batch.mask)
+                results.append((metrics, batch.size))
+                if (i + 1) % self.sync_every == 0:
+                    if pending is not None:
+                        jax.block_until_ready(pending)  # bounds the queue of collective steps
+                        bar.update(i, pending)
+                    pending = metrics
+            host = jax.device_get(results)
+            epoch_values = _weighted(host)
+            bar.update(len(data), epoch_values, final=True)
+            for name, value in epoch_values.items():
+                self.history.setdefault(name, []).append(value)
+            self._opt_state = opt_state
+            self._store(params, stats, rest)
+            if validation_data is not None:
+                for name, value in self.evaluate(*validation_data, batch_size=batch_size).items():
+                    self.history.setdefault(f"val_{name}", []).append(value)
+        nnx.update(self.module, params)  # in case epochs == 0 left nothing stored
+        return self.history
+
+    def evaluate(self, x: Any, y: Any, batch_size: int = 32, strategy: pp.Strategy | None = None,
+                 verbose: int = 0) -> dict[str, float]:
+        """Loss and metrics over every sample of ``(x, y)``, each counted exactly once."""
+        metrics, _ = self._run_eval((x, y), batch_size, strategy, verbose)
+        return metrics
+
+    def predict(self, x: Any, batch_size: int = 32, strategy: pp.Strategy | None = None) -> np.ndarray:
+        """Predictions for every row of ``x``, in order (a host numpy array)."""
+        x = np.asarray(x)
+        _, predictions = self._run_eval((x, np.zeros(len(x), np.int32)), batch_size, strategy, 0, need_predictions=True)
+        return predictions
+
+    def _run_eval(self, arrays: Any, batch_size: int, strategy: Any, verbose: int, need_predictions: bool = False) -> Any:
+        import jax
+        from jax.experimental import multihost_utils
+
+        self._place(strategy)
+        self._finish_local_stats()
+        data = self._data(arrays, batch_size, False, "uneven", None)
+        step = self._step(train=False)
+        _, params, stats, rest = self._split(train=False)
+        results, outputs = [], []
+        for i, batch in enumerate(data.batches(0)):
+            bx, by = batch.data
+            metrics, predictions = step(params, stats, rest, bx, by, batch.mask)
+            results.append(metrics)
+            if need_predictions:
+                if not predictions.is_fully_addressable:
+                    predictions = multihost_utils.process_allgather(predictions, tiled=True)
+                outputs.append((np.asarray(predictions), batch.indices))
+            if (i + 1) % self.sync_every == 0:
+                jax.block_until_ready(metrics)
+        # Each batch's metrics are exact means over its real rows; weight them by real rows.
+        host = list(zip(jax.device_get(results), self._real_counts(data)))
+        values = _weighted(host)
+        if not need_predictions:
+            return values, None
+        out = None
+        for predictions, indices in outputs:
+            if out is None:
+                out = np.zeros((data.num_samples, *predictions.shape[1:]), predictions.dtype)
+            out[indices] = predictions  # padding rows repeat a real index with the same value
+        return values, out
+
+    @staticmethod
+    def _real_counts(data: ShardedArrays) -> list[int]:
+        shards = data.indices(0)
+        longest = max(len(s) for s in shards)
+        return [sum(max(0, min(len(s), start + data.per_device) - start) for s in shards)
+                for start in range(0, longest, data.per_device)]
+
+    # -- state ---------------------------------------------------------------------------------
+    def _remainder(self) -> str:
+        strategy = self._placed[0]
+        return strategy.data_policy.remainder if strategy is not None else "pad"
+
+    def _init_optimizer(self, params: Any) -> Any:
+        import jax
+
+        _, runtime, wrapped = self._placed
+        if wrapped is not None:
+            opt_state = wrapped.init_optimizer(self.optimizer, params)
+        else:
+            opt_state = jax.jit(self.optimizer.init)(params)
+        saved, self._saved_opt_state = self._saved_opt_state, None
+        if saved:  # restored by load(): same values, placed like the fresh state
+            fresh, treedef = jax.tree.flatten(opt_state)
+            if len(fresh) != len(saved):
+                raise ValueError(f"The checkpoint's optimizer state has {len(saved)} arrays; this optimizer has "
+                                 f"{len(fresh)}. Load it into a Model with the same optimizer.")
+            opt_state = jax.tree.unflatten(treedef, [jax.device_put(np.asarray(saved[str(i)], old.dtype), old.sharding)
+                                                     for i, old in enumerate(fresh)])
+        return opt_state
+
+    def _maybe_local(self, stats: Any) -> Any:
+        """Under the ``local`` policy, give every device its own copy of the statistics."""
+        import jax
+        import jax.numpy as jnp
+
+        strategy, runtime, _ = self._placed
+        if strategy is None or self._stats_action(strategy) != "local" or not jax.tree.leaves(stats):
+            return stats
+        size = runtime.data_size
+        stacked = jax.tree.map(lambda s: jnp.broadcast_to(s[None], (size, *s.shape)), stats)
+        self._local_stats = jax.device_put(stacked, runtime.sharding(DATA))
+        self._steps = {}
+        return self._local_stats
+
+    def _store(self, params: Any, stats: Any, rest: Any) -> None:
+        from flax import nnx
+
+        if self._local_stats is not None:
+            self._local_stats = stats
+            stats = _average(stats)
+        nnx.update(self.module, params, stats, rest)
+
+    def _finish_local_stats(self) -> None:
+        """The evaluation-time sync of per-device statistics (``local`` policy)."""
+        from flax import nnx
+
+        if self._local_stats is not None:
+            nnx.update(self.module, _average(self._local_stats))
+
+    @property
+    def batch_stats_per_device(self) -> Any:
+        """Per-device BatchNorm statistics (leading axis: data coordinate) under the ``local``
+        policy, else ``None``."""
+        return self._local_stats
+
+    def save(self, path: str) -> None:
+        """Write parameters, BatchNorm statistics and the optimizer state (flax msgpack); only the
+        logger process writes. RNG state is not saved."""
+        import jax
+        from flax import nnx, serialization
+
+        self._finish_local_stats()
+        state = nnx.to_pure_dict(nnx.state(self.module, (nnx.Param, nnx.BatchStat)))
+        # Optimizer states hold NNX States, which msgpack cannot store: save their leaves in order
+        # and rebuild them on the structure of a freshly initialised state.
+        leaves = jax.tree.leaves(self._opt_state) if self._opt_state is not None else []
+        blob = {"module": state, "opt_state": {str(i): leaf for i, leaf in enumerate(leaves)}}
+        blob = _gather_host(blob)
+        if jax.process_index() == 0:
+            with open(path, "wb") as f:
+                f.write(serialization.msgpack_serialize(blob))
+
+    def load(self, path: str) -> None:
+        """Restore what :meth:`save` wrote into this model (same module structure); the state is
+        placed again on the next ``fit``/``evaluate``."""
+        from flax import nnx, serialization
+
+        with open(path, "rb") as f:
+            blob = serialization.msgpack_restore(f.read())
+        state = nnx.state(self.module, (nnx.Param, nnx.BatchStat))
+        nnx.replace_by_pure_dict(state, blob["module"])
+        nnx.update(self.module, state)
+        self._placed, self._steps, self._local_stats = None, {}, None
+        self._opt_state = None
+        self._saved_opt_state = blob.get("opt_state") or None
+
+
+def _in_data() -> bool:
+    from .ops import inside_data_axis
+
+    return inside_data_axis()
+
+
+def _weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:
+    total = sum(c for _, c in host)
+    if not host or total == 0:
+        return {}
+    return {name: float(sum(float(m[name]) * c for m, c in host) / total) for name in host[0][0]}
+
+
+def _average(stacked: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
+    return jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))(stacked)
+
+
+def _gather_host(tree: Any) -> Any:
+    import jax
+    from jax.experimental import multihost_utils
+
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,334 @@
+"""The five operations for JAX objects (called by the hooks in :mod:`polyparallel_jax.plugin`).
+
+Two contexts, one meaning:
+
+- *per device* — inside ``jax.shard_map`` with the ``data`` axis manual (where
+  :class:`polyparallel_jax.Model` computes gradients, metrics and states), values are each device's
+  own and the operations are JAX collectives over ``data`` (``psum``/``pmean``), free of any host
+  round trip;
+- *per process* — outside, a global ``jax.Array`` already is one value for the whole mesh
+  (GSPMD reduced it), so single-process calls return it unchanged; with several processes,
+  process-local values (a metric over the process's own rows) are gathered across processes,
+  bounded by ``strategy.timeout``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import polyparallel as pp
+
+from .partition import param_specs, path_name
+from .runtime import JaxRuntime
+
+__all__ = [
+    "ShardedModule", "bounded", "collection_name", "inside_data_axis", "is_jax_tree", "reduce_metrics",
+    "sync_grads", "sync_states", "wrap_model",
+]
+
+DATA = "data"
+
+
+# -- ownership and context ----------------------------------------------------------------------
+
+
+def is_jax_tree(tree: Any) -> bool:
+    """A pytree with at least one leaf, all ``jax.Array`` (tracers included)."""
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.Array) for x in leaves)
+
+
+def inside_data_axis() -> bool:
+    """Whether we are tracing inside a ``shard_map`` whose ``data`` axis is manual."""
+    from jax.sharding import get_abstract_mesh
+
+    return DATA in getattr(get_abstract_mesh(), "manual_axes", ())
+
+
+def _checks_vma() -> bool:
+    # shard_map(check_vma=False) tracks no varying-axis types; every value must then be
+    # treated as per-device. The flag is only exposed as a config state.
+    from jax._src import config
+
+    state = getattr(config, "_check_vma", None)
+    return bool(state.value) if state is not None else True
+
+
+def _varies_over_data(x: Any) -> bool:
+    import jax
+
+    if not _checks_vma():
+        return True
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = aval.manual_axis_type.varying
+    return DATA in vma
+
+
+def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str, rank: int) -> Any:
+    """Run a blocking cross-process collective, failing after ``timeout`` seconds.
+
+    XLA collectives wait forever for a peer that skipped them; the wait runs in a daemon thread
+    so this process can raise :class:`polyparallel.CollectiveTimeout` naming the operation, axis
+    and rank (the stuck computation cannot be cancelled: end the process after this error).
+    """
+    import jax
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = jax.block_until_ready(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"polyparallel-{operation}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise pp.CollectiveTimeout(
+            f"{operation} over axis {axis!r} timed out after {timeout:g} s on rank {rank} (JAX process "
+            f"{jax.process_index()} of {jax.process_count()}): a peer process did not join the collective. "
+            "Every process must call the operation the same number of times; raise Strategy(timeout=) if "
+            "the peers are only slow.", operation=operation, axis=axis, rank=rank)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
+    from jax.experimental import multihost_utils
+
+    return bounded(lambda: multihost_utils.process_allgather(tree), timeout=runtime.timeout,
+                   operation=operation, axis=DATA, rank=rank)
+
+
+# -- wrap_model -------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardedModule:
+    """An NNX module whose state was placed on the mesh by ``Strategy.wrap_model``.
+
+    :ivar module: the module itself (its variables now hold mesh-sharded arrays).
+    :ivar specs: parameter path -> partition spec tuple (``()``: replicated).
+    :ivar runtime: the :class:`~polyparallel_jax.runtime.JaxRuntime` (mesh, topology).
+    """
+
+    module: Any
+    specs: dict[str, tuple[Any, ...]]
+    runtime: JaxRuntime
+
+    def shardings(self, state: Any) -> Any:
+        """A pytree of ``NamedSharding`` for ``state`` (an ``nnx.State`` of this module): params
+        per their spec, everything else replicated."""
+        import jax
+
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: self.runtime.sharding(*self.specs.get(path_name(path), ())), state)
+
+    def init_optimizer(self, tx: Any, params: Any) -> Any:
+        """``tx.init(params)`` with every parameter-shaped state (Adam's moments) sharded like its
+        parameter and the rest (step counts) replicated. ``jit(tx.init)`` alone would replicate
+        the moments: ``zeros_like`` does not carry a sharding through GSPMD."""
+        import jax
+        import optax
+
+        param_shardings = self.shardings(params)
+        shapes = jax.eval_shape(tx.init, params)
+        out = optax.tree_map_params(tx, lambda _, sharding: sharding, shapes, param_shardings,
+                                    transform_non_params=lambda _: self.runtime.replicated)
+        return jax.jit(tx.init, out_shardings=out)(params)
+
+
+def wrap_model(runtime: JaxRuntime, module: Any, plan: Any = None) -> ShardedModule:
+    """Place an NNX module's state on the mesh: parameters replicated over ``data`` and split
+    over ``tensor`` by ``plan`` (see :mod:`polyparallel_jax.partition`), other state replicated.
+    Errors in the plan are raised before anything is compiled or moved."""
+    import jax
+    from flax import nnx
+
+    params = nnx.state(module, nnx.Param)
+    shapes = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    specs = param_specs(shapes, plan, runtime.topology.sizes)
+    wrapped = ShardedModule(module, {k: v for k, v in specs.items() if v}, runtime)
+    state = nnx.state(module)
+    nnx.update(module, jax.device_put(state, wrapped.shardings(state)))
+    return wrapped
+
+
+# -- sync_grads -------------------------------------------------------------------------------
+
+
+def sync_grads(strategy: pp.Strategy, grads: Any) -> Any:
+    """Mean (or sum, per ``strategy.grad_policy``) of per-device gradients over ``data``.
+
+    Pass the gradients of each device's *local* loss. Inside ``shard_map(check_vma=True)`` JAX
+    already summed the gradient of a replicated parameter over the axis (the transpose of the
+    implicit ``pvary`` is a ``psum``), so such leaves are divided by the axis size, not
+    ``pmean``-ed again; leaves still varying over ``data`` are ``pmean``-ed. Outside ``shard_map``
+    gradients of a global loss are already global (GSPMD): a documented no-op.
+    """
+    import jax
+
+    if not inside_data_axis():
+        return grads
+    size = jax.lax.axis_size(DATA)
+    mean = strategy.grad_policy.op == "mean"
+
+    def one(g: Any) -> Any:
+        if _varies_over_data(g):
+            return jax.lax.pmean(g, DATA) if mean else jax.lax.psum(g, DATA)
+        return g / size if mean else g
+
+    return jax.tree.map(one, grads)
+
+
+# -- reduce_metrics ---------------------------------------------------------------------------
+
+
+def is_jax_metric(value: Any) -> bool:
+    """A ``jax.Array`` or a :class:`polyparallel.Mean` with a ``jax.Array`` total or count."""
+    import jax
+
+    if isinstance(value, pp.Mean):
+        return isinstance(value.total, jax.Array) or isinstance(value.count, jax.Array)
+    return isinstance(value, jax.Array)
+
+
+_LAX_OPS = {"mean": "pmean", "sum": "psum", "max": "pmax", "min": "pmin"}
+
+
+def reduce_metrics(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Count-weighted for :class:`~polyparallel.Mean`, ``metric_policy`` op for plain values, over
+    ``data`` only (tensor replicas hold the same value and are not counted twice)."""
+    import jax
+    import jax.numpy as jnp
+
+    if inside_data_axis():
+        out = {}
+        for name, value in metrics.items():
+            if isinstance(value, pp.Mean):
+                total, count = (jax.lax.psum(v, DATA) if _varies_over_data(v) else v
+                                for v in (jnp.asarray(value.total), jnp.asarray(value.count)))
+                out[name] = total / count
+            else:
+                value = jnp.asarray(value)
+                op = getattr(jax.lax, _LAX_OPS[strategy.metric_policy.op_for(name)])
+                out[name] = op(value, DATA) if _varies_over_data(value) else value
+        return out
+    if runtime is None or jax.process_count() == 1:
+        return {n: (jnp.asarray(v.total) / v.count if isinstance(v, pp.Mean) else v) for n, v in metrics.items()}
+    # Several processes: each holds a process-local value; combine one per data replica.
+    # (A value spanning processes is a global array: already reduced, taken as it is.)
+    spanning = {n for n, v in metrics.items()
+                if not all(_process_local(x) for x in ((v.total, v.count) if isinstance(v, pp.Mean) else (v,)))}
+    local = {n: ((jnp.asarray(v.total, jnp.float32), jnp.asarray(v.count, jnp.float32)) if isinstance(v, pp.Mean)
+                 else jnp.asarray(v, jnp.float32)) for n, v in metrics.items() if n not in spanning}
+    gathered = _gather_processes(local, runtime, "reduce_metrics", rank)
+    keep = runtime.representative_processes()
+    out = {}
+    for name, value in metrics.items():
+        if name in spanning:
+            out[name] = value.total / value.count if isinstance(value, pp.Mean) else value
+        elif isinstance(value, pp.Mean):
+            totals, counts = gathered[name]
+            out[name] = jnp.sum(totals[keep]) / jnp.sum(counts[keep])
+        else:
+            values = gathered[name][keep]
+            out[name] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}[
+                strategy.metric_policy.op_for(name)](values, axis=0)
+    return out
+
+
+def _process_local(x: Any) -> bool:
+    return getattr(x, "is_fully_addressable", True)
+
+
+# -- sync_states ------------------------------------------------------------------------------
+
+
+_COLLECTIONS = {"Param": "params", "BatchStat": "batch_stats", "RngKey": "rngs", "RngCount": "rngs", "Cache": "cache"}
+
+
+def collection_name(variable: Any) -> str:
+    """The Linen-style collection of an NNX variable (``params``, ``batch_stats``, ``rngs``...),
+    so ``StatePolicy`` patterns read the same for every framework (``batch_stats*``)."""
+    for kind in type(variable).__mro__:
+        if kind.__name__ in _COLLECTIONS:
+            return _COLLECTIONS[kind.__name__]
+    return type(variable).__name__.lower()
+
+
+def state_names(states: Any) -> Any:
+    """A pytree like ``states`` whose leaves are the dotted names the policy is matched against:
+    ``batch_stats.bn.mean``, ``rngs.dropout.key``, ``params.linear.kernel``."""
+    import jax
+    from flax import nnx
+
+    def name(path: Any, leaf: Any) -> str:
+        dotted = path_name(path).replace("/", ".")
+        return f"{collection_name(leaf)}.{dotted}" if isinstance(leaf, nnx.Variable) else dotted
+
+    return jax.tree_util.tree_map_with_path(name, states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def sync_states(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int, states: Any) -> Any:
+    """Apply ``strategy.state_policy`` to each state: ``mean`` over ``data``, ``broadcast`` from
+    data coordinate 0, ``local`` unchanged. ``states`` is an NNX module (updated in place and
+    returned), an ``nnx.State`` or a mapping of named collections."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    if isinstance(states, nnx.Module):
+        nnx.update(states, sync_states(strategy, runtime, rank, nnx.state(states)))
+        return states
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    names = state_names(states)
+    actions = jax.tree.map(lambda n: strategy.state_policy.action_for(n), names)
+
+    def value_of(leaf: Any) -> Any:
+        return leaf.get_value() if is_var(leaf) else leaf
+
+    def rebuild(leaf: Any, value: Any) -> Any:
+        return leaf.replace(value) if is_var(leaf) else value
+
+    if inside_data_axis():
+        def one(leaf: Any, action: str) -> Any:
+            x = value_of(leaf)
+            if action == "local" or not _varies_over_data(x):
+                return leaf
+            if action == "mean":
+                return rebuild(leaf, jax.lax.pmean(x, DATA))
+            first = jax.lax.axis_index(DATA) == 0
+            return rebuild(leaf, jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), DATA))
+
+        return jax.tree.map(one, states, actions, is_leaf=is_var)
+    if runtime is None or jax.process_count() == 1:
+        return states  # a global array is one value for the whole mesh
+    leaves, treedef = jax.tree.flatten(states, is_leaf=is_var)
+    acts = jax.tree.leaves(actions)
+    # Arrays spanning several processes are already one global value; only process-local
+    # values (each process's own copy) are combined.
+    local = [_process_local(value_of(leaf)) for leaf in leaves]
+    gathered = _gather_processes([jnp.asarray(value_of(leaf)) if is_local else jnp.zeros(())
+                                  for leaf, is_local in zip(leaves, local)], runtime, "sync_states", rank)
+    keep = runtime.representative_processes()
+    owner = keep[0]  # holds data coordinate 0: processes are laid out in mesh order
+    out = []
+    for leaf, action, stacked, is_local in zip(leaves, acts, gathered, local):
+        if not is_local:
+            pass
+        elif action == "mean":
+            leaf = rebuild(leaf, jnp.mean(stacked[keep], axis=0).astype(stacked.dtype))
+        elif action == "broadcast":
+            leaf = rebuild(leaf, stacked[owner])
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out)
