@@ -55,16 +55,22 @@ class GradPolicy:
     """How ``sync_grads`` reduces gradients over the data axis.
 
     :param op: ``"mean"`` (the default, matching a single process on the global batch) or ``"sum"``.
-    :param bucket_mb: size of the flat buffers gradients are packed into (one collective each).
+    :param bucket_mb: size of the flat buffers gradients are packed into (one collective each);
+        ``None`` (the default) leaves it to the runtime: DDP's own buckets (a small first bucket
+        that starts communicating early in backward, then 25 MB), 25 MB flat buffers elsewhere.
     """
 
     op: str = "mean"
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = None
 
     def __post_init__(self) -> None:
         _choice("GradPolicy.op", self.op, ("mean", "sum"))
-        if not self.bucket_mb > 0:
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
             raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {self.bucket_mb!r}.")
+
+    def bucket_bytes(self, default_mb: float = 25.0) -> int:
+        """The bucket size in bytes (``default_mb`` when :attr:`bucket_mb` is ``None``)."""
+        return int((self.bucket_mb if self.bucket_mb is not None else default_mb) * 1024 * 1024)
 
 
 @dataclass(frozen=True)

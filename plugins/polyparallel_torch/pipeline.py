@@ -1,17 +1,24 @@
-"""Pipeline stages for ``wrap_model`` on ``pipeline > 1``, on ``torch.distributed.pipelining``.
+"""Pipeline stages on ``torch.distributed.pipelining``: ``wrap_model`` on ``pipeline > 1``.
 
-An ``nn.Sequential`` is cut into ``pipeline`` contiguous stages (balanced by parameter count, or
-at ``split_points=``); each rank builds its stage as a ``PipelineStage`` over its pipeline group
-and runs a ``ScheduleGPipe`` of ``microbatches`` micro-batches. Every rank calls the same
-``model.step(x, y)`` with the same batch (ranks along the pipeline axis get identical batches
-from ``shard_data``); the wrapper hands the inputs to the first stage and the targets to the
-last. Data parallelism over the data axis is ``strategy.sync_grads(model)`` after each step
-(bucketed all-reduce of the stage's gradients over the data group).
+An ``nn.Sequential`` is cut into ``pipeline`` contiguous stages (:func:`split_sequential`:
+balanced by parameter count, or at ``split_points=``; stages keep the original child names, so
+``state_dict`` keys match the unsplit model). Each rank keeps its stage in a ``PipelineStage``
+over the runtime's ``pipeline`` group and runs it with ``ScheduleGPipe``; the loss is computed on
+the last stage only. Every rank calls the same ``train_step(x, y)`` with the same batch (ranks
+along the pipeline axis get identical batches from ``shard_data``); the model hands the inputs to
+the first stage and the targets to the last. Replicas of a stage over the data axis average
+their gradients with ``strategy.sync_grads(model)``. Every send/receive is bounded by the
+group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank.
+
+``PipelineStage`` infers activation shapes on its first step and reuses them, so a batch of
+another size (the short last batch of an evaluation) gets its own stage and schedule, cached by
+``(batch size, training)``; all of them share the stage's parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,38 +26,139 @@ from torch import nn
 
 import polyparallel as pp
 
-from .runtime import TorchRuntime
-
-__all__ = ["PipelineModel", "split_sequential", "validate_pipeline"]
+__all__ = ["split_sequential", "PipelineModel", "validate_pipeline", "wrap_pipeline"]
 
 
-def split_sequential(model: nn.Sequential, stages: int, split_points: list[int] | None = None) -> list[tuple[int, int]]:
-    """Child-index ranges ``[(start, end), ...]`` of each stage.
+def split_sequential(model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Cut an ``nn.Sequential`` into ``num_stages`` contiguous stages that keep the original
+    child names (so ``state_dict`` keys match the unsplit model).
 
-    Without ``split_points``, contiguous ranges are balanced greedily by parameter count, every
-    stage getting at least one child.
+    :param boundaries: indices of the first child of stages 1..n-1; by default stages are
+        balanced by parameter count (every stage gets at least one child).
     """
-    n = len(model)
-    if split_points is not None:
-        points = list(split_points)
-        if len(points) != stages - 1 or points != sorted(set(points)) or not all(0 < p < n for p in points):
-            raise pp.TopologyError(
-                f"split_points must be {stages - 1} increasing child indices in (0, {n}) for pipeline={stages}. "
-                f"Received: {split_points!r}."
-            )
-        bounds = [0, *points, n]
-        return list(zip(bounds[:-1], bounds[1:]))
-    sizes = [sum(p.numel() for p in child.parameters()) + 1 for child in model]
-    target = sum(sizes) / stages
-    ranges, start, acc = [], 0, 0.0
-    for i, size in enumerate(sizes):
-        acc += size
-        remaining_children, remaining_stages = n - i - 1, stages - len(ranges) - 1
-        if len(ranges) < stages - 1 and (acc >= target or remaining_children == remaining_stages):
-            ranges.append((start, i + 1))
-            start, acc = i + 1, 0.0
-    ranges.append((start, n))
-    return ranges
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"pipeline={num_stages} needs an nn.Sequential to cut into stages; received {type(model).__name__}. "
+            "Express the model as nn.Sequential, or pass stages=[module_for_stage_0, ...] to auto_model."
+        )
+    children = list(model.named_children())
+    if len(children) < num_stages:
+        raise pp.TopologyError(
+            f"pipeline={num_stages} needs at least {num_stages} children in the nn.Sequential; it has {len(children)}.")
+    if boundaries is None:
+        sizes = [sum(p.numel() for p in m.parameters()) + 1 for _, m in children]
+        total, boundaries, acc = sum(sizes), [], 0
+        for i, size in enumerate(sizes):
+            acc += size
+            stage = len(boundaries) + 1
+            left = len(children) - (i + 1)
+            if stage < num_stages and (acc >= total * stage / num_stages or left == num_stages - stage):
+                boundaries.append(i + 1)
+    boundaries = list(boundaries)
+    cuts = [0, *boundaries, len(children)]
+    if len(boundaries) != num_stages - 1 or any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise pp.TopologyError(
+            f"stage boundaries {boundaries} do not cut {len(children)} children into {num_stages} non-empty stages; "
+            f"give {num_stages - 1} increasing indices between 1 and {len(children) - 1}.")
+    return [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(cuts, cuts[1:])]
+
+
+class PipelineModel(nn.Module):
+    """This rank's stage of a pipeline-parallel model and the schedules that run it.
+
+    All ranks of a pipeline group must call :meth:`train_step` / :meth:`eval_step` together,
+    with batches of the same size (ranks that share a data coordinate get identical batches
+    from ``shard_data``, so this holds under the adapter's loaders).
+
+    :param stage: this rank's stage module (parameters and buffers of this stage only).
+    :param runtime: the strategy's torch runtime (groups, device, bounded collectives).
+    :param microbatches: GPipe micro-batches per step (each batch is split along dim 0).
+    """
+
+    def __init__(self, stage: nn.Module, runtime: Any, microbatches: int = 1,
+                 loss_fn: Callable[..., torch.Tensor] | None = None):
+        super().__init__()
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive int. Received: {microbatches!r}.")
+        self.stage = stage.to(runtime.device)
+        self.runtime = runtime
+        self.microbatches = microbatches
+        self.stage_index = runtime.session.coords["pipeline"]
+        self.num_stages = runtime.topology.size("pipeline")
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._loss_fn: Callable[..., torch.Tensor] | None = loss_fn
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds the first stage (it feeds the inputs)."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (outputs, loss and metrics live here)."""
+        return self.stage_index == self.num_stages - 1
+
+    def _schedule(self, batch: int, training: bool) -> Any:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        key = (batch, training)
+        if key not in self._schedules:
+            if batch % self.microbatches:
+                raise pp.TopologyError(
+                    f"a batch of {batch} samples does not split into microbatches={self.microbatches}; use a "
+                    "per-rank batch size that is a multiple of it (evaluation: DataPolicy remainder='drop' or pad).")
+            stage = PipelineStage(self.stage, self.stage_index, self.num_stages, self.runtime.device,
+                                  group=self.runtime.group("pipeline"))
+            loss_fn = self._loss_fn if training else None
+            self._schedules[key] = ScheduleGPipe(stage, self.microbatches, loss_fn=loss_fn)
+        return self._schedules[key]
+
+    def _run(self, schedule: Any, x: torch.Tensor, y: torch.Tensor | None, losses: list | None, what: str,
+             evaluate: bool) -> Any:
+        args = (x,) if self.is_first else ()
+        target = y if self.is_last else None
+        with self.runtime.collective(what, "pipeline"):
+            if evaluate:
+                return schedule.eval(*args, target=target, losses=losses)
+            return schedule.step(*args, target=target, losses=losses)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor,
+                   loss_fn: Callable[..., torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Forward and backward of one batch through every stage (GPipe). Gradients land in this
+        stage's parameters. Returns the batch's mean loss on the last stage, ``None`` elsewhere.
+
+        :param loss_fn: ``loss_fn(output, target)``; by default the one given to ``wrap_model``.
+        """
+        loss_fn = loss_fn or self._loss_fn
+        if loss_fn is None:
+            raise TypeError("train_step() needs a loss_fn (here or in wrap_model(..., loss_fn=)).")
+        if self._loss_fn is not loss_fn or not any(k[1] for k in self._schedules):
+            self._loss_fn = loss_fn
+            self._schedules = {k: v for k, v in self._schedules.items() if not k[1]}
+        self.stage.train()
+        losses: list[torch.Tensor] = []
+        self._run(self._schedule(len(x), True), x, y, losses, "pipeline train_step (GPipe)", evaluate=False)
+        return torch.stack(losses).mean().detach() if self.is_last else None
+
+    @torch.no_grad()
+    def eval_step(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Forward only. Returns the model's output on the last stage, ``None`` elsewhere."""
+        self.stage.eval()
+        return self._run(self._schedule(len(x), False), x, None, None, "pipeline eval_step (GPipe)", evaluate=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Same as :meth:`eval_step` without disabling gradients (every stage must call it)."""
+        self.stage.eval()
+        return self._run(self._schedule(len(x), False), x, None, None, "pipeline forward", evaluate=True)
+
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict`` (every stage's entries), gathered on every rank of the
+        pipeline group (for checks and single-file checkpoints of small models)."""
+        local = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.runtime.all_gather_object(local, "gather pipeline state", "pipeline"):
+            merged.update(part)
+        return merged
 
 
 def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -> None:
@@ -61,66 +169,17 @@ def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str
             f"the torch runtime cannot combine pipeline={stages} with tensor={topology.size('tensor')} yet; "
             "use pipeline x data, or tensor x data."
         )
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"pipeline={stages} needs an nn.Sequential to cut into stages; received {type(model).__name__}.")
-    if len(model) < stages:
-        raise pp.TopologyError(f"an nn.Sequential of {len(model)} layers cannot fill pipeline={stages} stages.")
-    if options.get("loss_fn") is None or not callable(options["loss_fn"]):
-        raise TypeError("pipeline>1 needs wrap_model(model, loss_fn=callable(output, target)): the last stage "
-                        "computes the loss inside the pipeline schedule.")
     microbatches = options.get("microbatches", stages)
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise TypeError(f"microbatches must be a positive int. Received: {microbatches!r}.")
+    loss_fn = options.get("loss_fn")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable(output, target). Received: {loss_fn!r}.")
     split_sequential(model, stages, options.get("split_points"))
 
 
-class PipelineModel(nn.Module):
-    """This rank's pipeline stage plus its schedule.
-
-    :ivar module: the stage's ``nn.Sequential`` (its ``parameters()`` are what the optimizer gets).
-    :ivar is_first, is_last: whether this rank holds the first / last stage (the last holds loss
-        and outputs: the ``loss`` and ``metrics`` roles).
-    """
-
-    def __init__(self, model: nn.Sequential, rt: TorchRuntime, loss_fn: Callable[..., torch.Tensor],
-                 microbatches: int, split_points: list[int] | None = None):
-        super().__init__()
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
-        stages = rt.topology.size("pipeline")
-        index = rt.session.coords["pipeline"]
-        start, end = split_sequential(model, stages, split_points)[index]
-        self.module = nn.Sequential(*list(model.children())[start:end]).to(rt.device)
-        self.stage_index, self.num_stages, self.microbatches = index, stages, microbatches
-        self.is_first, self.is_last = index == 0, index == stages - 1
-        self._rt = rt
-        self._stage = PipelineStage(self.module, index, stages, rt.device, group=rt.group("pipeline"))
-        self._schedule = ScheduleGPipe(self._stage, n_microbatches=microbatches, loss_fn=loss_fn)
-        # Forward-only runs without targets need a schedule that computes no loss.
-        self._eval_schedule = ScheduleGPipe(self._stage, n_microbatches=microbatches)
-
-    def _run(self, run: Callable[..., Any], x: Any, target: Any, losses: list[torch.Tensor] | None) -> Any:
-        if len(x) % self.microbatches:
-            raise pp.TopologyError(
-                f"a pipeline batch of {len(x)} samples does not split into {self.microbatches} micro-batches; "
-                "use a per-rank batch size that is a multiple of microbatches (and remainder='drop')."
-            )
-        args = (x,) if self.is_first else ()
-        kwargs = {"target": target, "losses": losses} if self.is_last and target is not None else {}
-        with self._rt.collective("pipeline schedule", "pipeline"):
-            return run(*args, **kwargs)
-
-    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one batch through all stages. Returns the batch's mean loss
-        on the last stage, ``None`` on the others. Gradients are left in ``.grad`` (call
-        ``strategy.sync_grads(model)`` then the optimizer)."""
-        losses: list[torch.Tensor] = []
-        self._run(self._schedule.step, x, target, losses)
-        return torch.stack(losses).mean().detach() if self.is_last else None
-
-    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward only (evaluation): the model's outputs on the last stage, ``None`` elsewhere."""
-        with torch.no_grad():
-            if target is None:
-                return self._run(self._eval_schedule.eval, x, None, None)
-            return self._run(self._schedule.eval, x, target, [])
+def wrap_pipeline(model: nn.Sequential, runtime: Any, options: dict[str, Any]) -> PipelineModel:
+    """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`)."""
+    stages = split_sequential(model, runtime.topology.size("pipeline"), options.get("split_points"))
+    return PipelineModel(stages[runtime.session.coords["pipeline"]], runtime,
+                         options.get("microbatches", runtime.topology.size("pipeline")), options.get("loss_fn"))

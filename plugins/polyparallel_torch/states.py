@@ -40,7 +40,7 @@ def sync(states: Any, rt: TorchRuntime) -> Any:
         if action == "mean" and not local.is_floating_point():
             continue  # an integer counter cannot be averaged; leave it alone
         groups[action].append(local.data)
-    bucket_bytes = int(rt.strategy.grad_policy.bucket_mb * 1024 * 1024)
+    bucket_bytes = rt.strategy.grad_policy.bucket_bytes()
     with torch.no_grad():
         for action, tensors in groups.items():
             for bucket in buckets(tensors, bucket_bytes):

@@ -52,7 +52,8 @@ def test_data_policy_replace_validates():
 
 
 def test_grad_policy():
-    assert GradPolicy() == GradPolicy(op="mean", bucket_mb=25.0)
+    assert GradPolicy() == GradPolicy(op="mean", bucket_mb=None)
+    assert GradPolicy().bucket_bytes() == 25 * 2**20 and GradPolicy(bucket_mb=0.5).bucket_bytes() == 2**19
     assert GradPolicy(op="sum").op == "sum"
 
 

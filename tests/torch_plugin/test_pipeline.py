@@ -6,6 +6,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch.pipeline import split_sequential
+from polyparallel_torch.testing import reference_model
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -31,14 +32,13 @@ def _pipeline_worker(data, steps):
         batch = slice(step * 8, (step + 1) * 8)
         x, y = x_all[batch][d::data], y_all[batch][d::data]  # what shard_data would hand this replica
         opt.zero_grad()
-        loss = model.step(x, y)
+        loss = model.train_step(x, y)
         strategy.sync_grads(model)
         opt.step()
         losses.append(None if loss is None else float(loss))
     outputs = model(x_all[:per * data][d::data][:per])
     return {"coords": strategy.session().coords, "losses": losses,
-            "params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
-            "start": split_sequential(_model(), 2)[strategy.session().coords["pipeline"]][0],
+            "params": {n: p.detach().clone() for n, p in model.stage.named_parameters()},
             "outputs": None if outputs is None else outputs.detach()}
 
 
@@ -67,25 +67,36 @@ def test_pipeline_training_matches_one_process(run, data):
         if last and data == 1:
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
         assert (r["outputs"] is not None) == last
-        for name, value in r["params"].items():
-            layer, leaf = name.split(".")
-            torch.testing.assert_close(value, ref_params[f"{int(layer) + r['start']}.{leaf}"], rtol=1e-5, atol=1e-6)
+        for name, value in r["params"].items():  # stages keep the unsplit model's names
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6)
 
 
-def test_split_sequential_balances_and_validates():
-    model = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 2), nn.ReLU())
-    assert split_sequential(model, 2) == [(0, 1), (1, 4)]
-    assert split_sequential(model, 2, [2]) == [(0, 2), (2, 4)]
-    with pytest.raises(pp.TopologyError, match="split_points"):
-        split_sequential(model, 2, [0])
+def test_split_keeps_names_and_balances_parameters():
+    model = reference_model(0)
+    stages = split_sequential(model, 2)
+    assert [list(dict(s.named_children())) for s in stages] == [["0", "1", "2"], ["3", "4", "5"]]
+    merged = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert merged.keys() == model.state_dict().keys()
+    assert [list(dict(s.named_children())) for s in split_sequential(model, 3, [1, 4])] == [["0"], ["1", "2", "3"],
+                                                                                        ["4", "5"]]
+    assert len(split_sequential(nn.Sequential(*[nn.ReLU() for _ in range(4)]), 4)) == 4
+
+
+def test_split_errors_name_the_problem():
+    with pytest.raises(TypeError, match="needs an nn.Sequential"):
+        split_sequential(nn.Linear(2, 2), 2)
+    with pytest.raises(pp.TopologyError, match="at least 3 children"):
+        split_sequential(nn.Sequential(nn.ReLU(), nn.ReLU()), 3)
+    with pytest.raises(pp.TopologyError, match=r"boundaries \[3, 2\]"):
+        split_sequential(reference_model(0), 3, [3, 2])
 
 
 def test_pipeline_bad_inputs_refused_before_any_collective(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     s = pp.Strategy(pipeline=2, data=1, timeout=5)
-    with pytest.raises(pp.PluginError, match="loss_fn"):
-        s.wrap_model(_model())
+    with pytest.raises(pp.PluginError, match="loss_fn must be callable"):
+        s.wrap_model(_model(), loss_fn="cross_entropy")
     with pytest.raises(pp.PluginError, match="needs an nn.Sequential"):
         s.wrap_model(nn.Linear(2, 2), loss_fn=nn.functional.mse_loss)
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -1,0 +1,274 @@
+"""The Ignite adapter: ``strategy.adapt("ignite")``.
+
+It replaces ``ignite.distributed``'s flat-world helpers with the strategy's topology:
+
+==============================  ===================================================================
+ignite                          :class:`IgniteAdapter`
+==============================  ===================================================================
+``idist.auto_dataloader``       :meth:`~IgniteAdapter.auto_dataloader`: shards over the *data* axis,
+                                the batch size is the global one, replicas get identical batches
+``idist.auto_model``            :meth:`~IgniteAdapter.auto_model`: DDP over the data group, DTensor
+                                tensor parallel, pipeline stages; never DataParallel
+``idist.auto_optim``            :meth:`~IgniteAdapter.auto_optim`: averages gradients over the data
+                                group before each ``step()`` where no DDP did
+metrics (``sync_all_reduce``)   :meth:`~IgniteAdapter.attach`: metrics of the engine reduce over the
+                                data group, bounded by the strategy's timeout
+==============================  ===================================================================
+
+plus :meth:`~IgniteAdapter.create_supervised_trainer` / ``create_supervised_evaluator``, which
+call ignite's factories with the right device and attach (and run pipelines when
+``pipeline > 1``). Works inside ``polyparallel.launch``, ``polyparallel launch``/torchrun and
+``idist.Parallel`` (the runtime adopts an already initialised default group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import polyparallel as pp
+
+from . import metrics as _metrics
+
+__all__ = ["IgniteAdapter", "full_output"]
+
+
+def full_output(y_pred: Any) -> Any:
+    """A tensor-parallel output made whole: a ``DTensor`` (e.g. a column-parallel head with
+    ``use_local_output=False``) is gathered to a plain tensor; anything else is returned as is."""
+    return y_pred.full_tensor() if hasattr(y_pred, "full_tensor") else y_pred
+
+
+class IgniteAdapter:
+    """A :class:`polyparallel.Strategy` made Ignite-native. Build it with ``strategy.adapt("ignite")``.
+
+    :param strategy: the strategy.
+    :param microbatches: GPipe micro-batches per step when ``pipeline > 1``.
+    """
+
+    def __init__(self, strategy: pp.Strategy, *, microbatches: int = 1):
+        topology = strategy.topology
+        if topology.size("pipeline") > 1 and topology.size("tensor") > 1:
+            raise pp.UnsupportedTopologyError(
+                f"the ignite adapter runs pipeline and tensor parallelism, but not both at once (received "
+                f"{topology!r}); use pipeline=1 or tensor=1."
+            )
+        self.strategy = strategy
+        self.microbatches = microbatches
+        # Before any metric is attached: Metric.attach stores the bound `completed` method.
+        _metrics.install()
+
+    def __repr__(self) -> str:
+        return f"<IgniteAdapter {self.strategy!r}>"
+
+    # -- where this process stands ------------------------------------------------------------------
+    @property
+    def session(self) -> pp.Session:
+        """This process's :class:`polyparallel.Session` (rank, coordinates, roles)."""
+        return self.strategy.session()
+
+    @property
+    def runtime(self) -> Any:
+        """The torch runtime (process groups, DeviceMesh), made on first use."""
+        from polyparallel_torch.runtime import get_runtime
+
+        return get_runtime(self.session)
+
+    @property
+    def device(self) -> torch.device:
+        """The device batches and models of this rank live on (give it to ignite's ``device=``)."""
+        return self.runtime.device
+
+    @property
+    def holds_metrics(self) -> bool:
+        """Whether this rank holds model outputs (the last pipeline stage): only these compute
+        losses and metrics."""
+        return "metrics" in self.session.roles
+
+    # -- data, model, optimizer -------------------------------------------------------------------------
+    def auto_dataloader(self, data: Any, *, batch_size: int | None = None, shuffle: bool | None = None,
+                        remainder: str | None = None) -> Any:
+        """A ``DataLoader`` over this rank's data shard (``strategy.shard_data``).
+
+        :param data: a ``Dataset`` or a ``DataLoader`` (its workers and collate function are kept).
+        :param batch_size: the *global* batch size (summed over data ranks), unlike
+            ``idist.auto_dataloader`` which divides by the world size.
+        :param shuffle, remainder: override the strategy's data policy (evaluation:
+            ``shuffle=False, remainder="uneven"`` gives every sample exactly once).
+        """
+        overrides = {k: v for k, v in (("batch_size", batch_size), ("shuffle", shuffle), ("remainder", remainder))
+                     if v is not None}
+        return self.strategy.shard_data(data, **overrides)
+
+    def auto_model(self, model: nn.Module, *, stages: Sequence[nn.Module] | None = None,
+                   boundaries: Sequence[int] | None = None, **options: Any) -> nn.Module:
+        """Parallelise ``model`` over the topology.
+
+        - ``pipeline > 1``: a :class:`~polyparallel_torch.pipeline.PipelineModel` holding this
+          rank's stage (``model`` an ``nn.Sequential`` cut at ``boundaries``, or ``stages=`` one
+          module per stage); the model passed is not moved, only this rank's stage is.
+        - otherwise ``strategy.wrap_model(model, **options)`` (``plan=`` for tensor parallel).
+        """
+        if self.strategy.topology.size("pipeline") == 1:
+            if stages is not None or boundaries is not None:
+                raise TypeError("auto_model(stages=/boundaries=) only applies with pipeline > 1; "
+                                f"the topology is {self.session.topology!r}.")
+            # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set.
+            return self.strategy.wrap_model(model, **options)
+        from polyparallel_torch.pipeline import PipelineModel, split_sequential
+
+        if options:
+            raise TypeError(f"auto_model() with pipeline > 1 takes stages= or boundaries=; received {sorted(options)}.")
+        num_stages = self.session.topology.size("pipeline")
+        if stages is None:
+            stages = split_sequential(model, num_stages, boundaries)
+        elif len(stages) != num_stages:
+            raise pp.TopologyError(f"auto_model(stages=) got {len(stages)} stages for pipeline={num_stages}.")
+        wrapped = PipelineModel(stages[self.session.coords["pipeline"]], self.runtime, self.microbatches)
+        if self.session.topology.size("data") > 1:
+            self.strategy.sync_states(wrapped.stage)  # data replicas of a stage start equal
+        return wrapped
+
+    def auto_optim(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """Make ``optimizer.step()`` average gradients over the data group first, where the model's
+        wrapper did not (tensor parallel with data > 1; pipelines). A no-op for DDP and data=1.
+
+        The hook is ``optimizer.register_step_pre_hook``, so any ignite trainer — including
+        ``gradient_accumulation_steps`` — syncs exactly once per step.
+
+        :param model: the model returned by :meth:`auto_model` (default: the optimizer's
+            parameters are synced as a list of tensors).
+        """
+        from polyparallel_torch.model import is_ddp
+
+        if self.session.topology.size("data") == 1 or (model is not None and is_ddp(model)):
+            return optimizer
+        strategy = self.strategy
+
+        def sync_before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if model is not None:
+                strategy.sync_grads(model)
+            else:
+                strategy.sync_grads([p.grad for group in opt.param_groups for p in group["params"]])
+
+        optimizer.register_step_pre_hook(sync_before_step)
+        return optimizer
+
+    # -- engines ----------------------------------------------------------------------------------
+    def attach(self, engine: Any, data: Any = None) -> Any:
+        """Attach the strategy to an ignite ``Engine`` (a trainer or an evaluator):
+
+        - its metrics reduce over the data group only (count-weighted: ignite's metrics reduce
+          sums and counts), bounded by the strategy's timeout;
+        - ``data`` (a loader from :meth:`auto_dataloader`): its sampler's epoch follows
+          ``engine.state.epoch``, so shuffling is deterministic from ``(seed, epoch)``, also on resume.
+
+        :return: ``engine``.
+        """
+        from ignite.engine import Events
+
+        _metrics.register_engine(engine, self.runtime)
+        sampler = getattr(data, "sampler", None)
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            engine.add_event_handler(Events.EPOCH_STARTED, lambda e: sampler.set_epoch(e.state.epoch - 1))
+        return engine
+
+    def create_supervised_trainer(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  loss_fn: Callable[..., torch.Tensor], data: Any = None, **kwargs: Any) -> Any:
+        """``ignite.engine.create_supervised_trainer`` on this rank's device, attached.
+
+        With ``pipeline > 1`` (``model`` a ``PipelineModel``) the trainer runs a GPipe step; its
+        output is the loss on the last stage and ``None`` on the others. The optimizer should
+        come from :meth:`auto_optim` (gradients of replicas averaged before ``step()``).
+        """
+        from polyparallel_torch.pipeline import PipelineModel
+
+        if isinstance(model, PipelineModel):
+            engine = self._pipeline_trainer(model, optimizer, loss_fn, **kwargs)
+        else:
+            from ignite.engine import create_supervised_trainer
+
+            kwargs.setdefault("device", self.device)
+            engine = create_supervised_trainer(model, optimizer, loss_fn, **kwargs)
+        return self.attach(engine, data)
+
+    def create_supervised_evaluator(self, model: nn.Module, metrics: Mapping[str, Any] | None = None,
+                                    data: Any = None, **kwargs: Any) -> Any:
+        """``ignite.engine.create_supervised_evaluator`` on this rank's device, attached.
+
+        Metrics are attached only on ranks that hold outputs (the last pipeline stage); the others
+        run the forward pass and leave ``state.metrics`` empty, without waiting on anyone.
+        Tensor-parallel ``DTensor`` outputs are gathered before metrics see them.
+        """
+        from polyparallel_torch.pipeline import PipelineModel
+
+        metrics = dict(metrics or {}) if self.holds_metrics else {}
+        if isinstance(model, PipelineModel):
+            engine = self._pipeline_evaluator(model, **kwargs)
+            for name, metric in metrics.items():
+                metric.attach(engine, name)
+        else:
+            from ignite.engine import create_supervised_evaluator
+
+            kwargs.setdefault("device", self.device)
+            transform = kwargs.pop("output_transform", lambda x, y, y_pred: (y_pred, y))
+            kwargs["output_transform"] = lambda x, y, y_pred: transform(x, y, full_output(y_pred))
+            engine = create_supervised_evaluator(model, metrics=metrics, **kwargs)
+        return self.attach(engine, data)
+
+    def _pipeline_trainer(self, model: Any, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., torch.Tensor],
+                          prepare_batch: Callable[..., Any] | None = None, non_blocking: bool = False,
+                          output_transform: Callable[..., Any] | None = None) -> Any:
+        from ignite.engine import Engine, _prepare_batch
+
+        prepare = prepare_batch or _prepare_batch
+        device = self.device
+
+        def step(engine: Any, batch: Any) -> Any:
+            x, y = prepare(batch, device=device, non_blocking=non_blocking)
+            optimizer.zero_grad()
+            loss = model.train_step(x, y, loss_fn)
+            optimizer.step()
+            if loss is None:
+                return None
+            return output_transform(x, y, loss) if output_transform else loss.item()
+
+        return Engine(step)
+
+    def _pipeline_evaluator(self, model: Any, prepare_batch: Callable[..., Any] | None = None,
+                            non_blocking: bool = False, output_transform: Callable[..., Any] | None = None) -> Any:
+        from ignite.engine import Engine, _prepare_batch
+
+        prepare = prepare_batch or _prepare_batch
+        device = self.device
+        transform = output_transform or (lambda x, y, y_pred: (y_pred, y))
+
+        def step(engine: Any, batch: Any) -> Any:
+            x, y = prepare(batch, device=device, non_blocking=non_blocking)
+            y_pred = model.eval_step(x)
+            return None if y_pred is None else transform(x, y, y_pred)
+
+        return Engine(step)
+
+    # -- group-aware replacements of idist helpers -------------------------------------------------------
+    def reduce_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """``strategy.reduce_metrics``: over the data group, :class:`polyparallel.Mean` count-weighted."""
+        return self.strategy.reduce_metrics(metrics)
+
+    def barrier(self, axis: str = "data") -> None:
+        """A barrier over one axis's group (``idist.barrier`` knows only the world), bounded by the
+        strategy's timeout."""
+        self.runtime.all_reduce(torch.zeros(1, device=self.device), "sum", "barrier", axis)
+
+    def broadcast_metrics(self, metrics: Mapping[str, float] | None) -> dict[str, float]:
+        """Send the metrics of the last pipeline stage (data coordinate 0) to every rank of its
+        pipeline group, so every rank can take the same decision (early stopping, checkpoints).
+        Ranks that hold no metrics pass ``None``. A no-op without a pipeline."""
+        if self.session.topology.size("pipeline") == 1:
+            return dict(metrics or {})
+        gathered = self.runtime.all_gather_object(dict(metrics) if metrics is not None else None,
+                                                  "broadcast_metrics", "pipeline")
+        return dict(gathered[-1] or {})

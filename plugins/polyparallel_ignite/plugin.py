@@ -1,0 +1,40 @@
+"""Hook implementations of the Ignite plugin (entry point ``ignite``).
+
+Importing this module is cheap: ignite and torch are imported inside the factories.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polyparallel as pp
+from polyparallel import hookimpl
+
+__all__: list[str] = []
+
+#: Data, tensor (DTensor plans) and pipeline (``torch.distributed.pipelining``) — each with data;
+#: pipeline together with tensor is declared unsupported, so it is refused before launch.
+CAPABILITIES = pp.Capabilities(
+    "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
+    features={"ddp", "tensor_parallel_plan", "gpipe", "metrics_over_data_group", "timeouts", "idist_parallel"},
+)
+
+
+def _make_adapter(strategy: pp.Strategy, **kwargs: Any) -> Any:
+    from .adapter import IgniteAdapter
+
+    return IgniteAdapter(strategy, **kwargs)
+
+
+@hookimpl
+def polyparallel_register_adapters(register: Any) -> None:
+    register("ignite", _make_adapter, capabilities=CAPABILITIES,
+             description="PyTorch-Ignite: auto_dataloader/auto_model/auto_optim and engines whose metrics "
+                         "reduce over the data group")
+
+
+@hookimpl
+def polyparallel_register_demos(register: Any) -> None:
+    from .demo import run_demo
+
+    register("ignite", run_demo)
