@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
-from polyparallel_torch.testing import (LR, flat_params, ghost_batch_reference, reference_dataset, reference_model,
-                                        reference_plan)
+from polyparallel_torch.testing import (LR, flat_params, ghost_batch_reference, local_states, reference_dataset,
+                                        reference_model, reference_plan)
 
 __all__ = ["IgniteDriver", "float64_defaults", "reference_metrics", "ignite_metrics"]
 
@@ -132,16 +132,16 @@ class IgniteDriver(ConformanceDriver):
         inner = _inner(ignite.auto_model(reference_model(strategy.seed), **_options(strategy)))
         rank = strategy.session().rank
         with torch.no_grad():
-            for name, t in _states(inner):
+            for name, t in local_states(inner):
                 if name.endswith("running_mean"):
                     t.fill_(float(rank))
                 elif name.endswith("running_var"):
                     t.fill_(1.0 + rank)
                 elif name.endswith("bias"):
                     t.fill_(10.0 + rank)
-        before = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         strategy.sync_states(inner)
-        after = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
 
@@ -155,11 +155,3 @@ class IgniteDriver(ConformanceDriver):
         evaluator = ignite.create_supervised_evaluator(model, {} if skip else ignite_metrics(), data=loader)
         evaluator.run(loader)
 
-
-def _states(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    out = []
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point():
-            out.append((name, t))
-    return out

@@ -17,7 +17,8 @@ from polyparallel.testing import ConformanceDriver, reference_data
 
 from .model import full_state, unwrap
 
-__all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference"]
+__all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference",
+           "flat_params", "local_states"]
 
 FEATURES, HIDDEN, CLASSES, LR = 8, 16, 4, 0.1
 
@@ -157,14 +158,15 @@ class TorchDriver(ConformanceDriver):
             bn.running_var.fill_(1.0 + rank)
             head = inner[5]
             head.bias.fill_(10.0 + rank)
-        before = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         strategy.sync_states(model)
-        after = {n: t.detach().reshape(-1).double().tolist() for n, t in _states(inner)}
+        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
 
 
-def _states(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def local_states(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Floating-point parameters and buffers of ``module`` (local shards of DTensors), by name."""
     out = []
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         t = t.to_local() if hasattr(t, "to_local") else t

@@ -1,8 +1,9 @@
 """pytest plugin for polyparallel and its plugins' test suites (entry point ``pytest11``).
 
 Adds ``--runslow`` (or ``POLYPARALLEL_SLOW=1``) for tests marked ``slow``, registers the
-``multiprocess`` marker, and the ``polyparallel_clean`` fixture: environment variables restored
-and every polyparallel session closed after the test.
+``multiprocess`` marker, and two fixtures: ``polyparallel_clean`` (environment variables restored
+and every polyparallel session closed after the test) and ``polyparallel_run`` (launch a function
+on N real processes with a hard time limit).
 """
 
 from __future__ import annotations
@@ -44,3 +45,16 @@ def polyparallel_clean() -> Iterator[None]:
         get_plugin_manager().close_sessions()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture
+def polyparallel_run() -> Any:
+    """``polyparallel_run(fn, strategy, nprocs, *args, timeout=240)``: run ``fn(*args)`` on
+    ``nprocs`` processes through :func:`polyparallel.launch`; results by rank. The time limit
+    makes a hang fail this test instead of the whole run."""
+    from polyparallel import launch
+
+    def run(fn: Any, strategy: Any, nprocs: int, *args: Any, timeout: float = 240) -> list[Any]:
+        return launch(fn, strategy, nprocs, args=args, timeout=timeout)
+
+    return run

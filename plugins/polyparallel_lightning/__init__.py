@@ -1,0 +1,18 @@
+"""PyTorch Lightning plugin for polyparallel: ``Trainer(strategy=strategy.adapt("lightning"))``.
+
+Modules, by role:
+
+- :mod:`.plugin`: the hook implementations (entry point ``lightning``); cheap to import.
+- :mod:`.namespaces`: ``lightning.pytorch`` vs ``pytorch_lightning``, and how the adapter picks one.
+- :mod:`.strategy`: the Lightning strategy (a ``DDPStrategy`` subclass per namespace).
+- :mod:`.environment`: the cluster environment (Lightning's launcher, or an external one).
+- :mod:`.checkpoint`: consolidated checkpoints of tensor-parallel models.
+- :mod:`.testing`: ``LightningDriver`` for the conformance kit.
+- :mod:`.demo`: the ``lightning`` row of ``polyparallel demo``.
+
+Importing this package imports neither torch nor Lightning.
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,98 @@
+"""Which Lightning: ``lightning.pytorch`` (package ``lightning``) or ``pytorch_lightning``.
+
+The two packages ship the same code under distinct class hierarchies: a ``lightning.pytorch``
+Trainer rejects a ``pytorch_lightning`` strategy and vice versa. The adapter therefore builds
+its classes once per namespace, and decides which one a call wants by this rule
+(:func:`resolve_namespace`):
+
+1. ``strategy.adapt("lightning", namespace=...)`` names it (``"lightning"`` or
+   ``"lightning.pytorch"``; ``"pytorch_lightning"`` or ``"pl"``);
+2. otherwise the one namespace already imported (the Trainer you construct comes from it);
+3. both imported: an error asking for ``namespace=`` — guessing would fail later, inside the
+   Trainer, with a message that does not mention polyparallel;
+4. none imported yet: the first installed of ``lightning.pytorch``, ``pytorch_lightning``.
+
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+__all__ = ["Namespace", "NAMESPACES", "resolve_namespace", "INSTALL_HINT"]
+
+INSTALL_HINT = "pip install 'polyparallel[lightning]'"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """One Lightning distribution: where its trainer-side and fabric-side modules live."""
+
+    #: Module of the Trainer, LightningModule and strategies (``lightning.pytorch``).
+    pytorch: str
+    #: Module of the cluster environments and collectives (``lightning.fabric``).
+    fabric: str
+    #: What users import (``import lightning`` / ``import pytorch_lightning``).
+    package: str
+
+    @property
+    def suffix(self) -> str:
+        """A Python identifier for class names (``lightning`` / ``pytorch_lightning``)."""
+        return self.package
+
+
+NAMESPACES: dict[str, Namespace] = {
+    "lightning.pytorch": Namespace("lightning.pytorch", "lightning.fabric", "lightning"),
+    "pytorch_lightning": Namespace("pytorch_lightning", "lightning_fabric", "pytorch_lightning"),
+}
+_ALIASES = {"lightning": "lightning.pytorch", "lightning.pytorch": "lightning.pytorch",
+            "pytorch_lightning": "pytorch_lightning", "pl": "pytorch_lightning"}
+
+
+def _installed(module: str) -> bool:
+    # A top-level name only: find_spec of a submodule would import its parent package.
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package set to None in sys.modules, or broken
+        return False
+
+
+def resolve_namespace(namespace: str | None = None) -> Namespace:
+    """The Lightning namespace to build classes for (see the module docstring for the rule).
+
+    :param namespace: ``None`` (automatic), ``"lightning"``/``"lightning.pytorch"`` or
+        ``"pytorch_lightning"``/``"pl"``.
+    :raises ValueError: an unknown name, or both namespaces imported and none named.
+    :raises ImportError: the requested (or any) Lightning is not installed; names the extra.
+    """
+    if namespace is not None:
+        if namespace not in _ALIASES:
+            raise ValueError(
+                f"adapt('lightning', namespace=...) must be one of {sorted(_ALIASES)}. Received: {namespace!r}."
+            )
+        chosen = NAMESPACES[_ALIASES[namespace]]
+        if not _installed(chosen.package):
+            raise ImportError(
+                f"adapt('lightning', namespace={namespace!r}) needs the package {chosen.package!r}, which is not "
+                f"installed. Install it: {INSTALL_HINT}."
+            )
+        return chosen
+    imported = [ns for name, ns in NAMESPACES.items() if sys.modules.get(name) is not None]
+    if len(imported) == 1:
+        return imported[0]
+    if len(imported) == 2:
+        raise ValueError(
+            "Both `lightning.pytorch` and `pytorch_lightning` are imported, and their Trainers accept only their "
+            "own strategy classes. Say which Trainer you use: strategy.adapt('lightning', "
+            "namespace='lightning.pytorch') for `import lightning`, or namespace='pytorch_lightning' for "
+            "`import pytorch_lightning`."
+        )
+    for ns in NAMESPACES.values():
+        if _installed(ns.package):
+            return ns
+    raise ImportError(
+        "strategy.adapt('lightning') needs PyTorch Lightning, but neither `lightning` nor `pytorch_lightning` "
+        f"can be imported. Install it: {INSTALL_HINT}."
+    )

@@ -1,0 +1,60 @@
+"""Hook implementations of the Lightning plugin (the ``polyparallel`` entry point ``lightning``).
+
+Importing this module is cheap: neither Lightning nor torch is imported until
+``strategy.adapt("lightning")`` or the demo runs.
+
+- ``polyparallel_register_adapters``: the adapter ``lightning``, which returns a Lightning
+  strategy (see :mod:`polyparallel_lightning.strategy`) for ``Trainer(strategy=...)``.
+- ``polyparallel_register_demos``: the ``lightning`` row of ``polyparallel demo``.
+
+The five operations are not implemented here: the Lightning strategy routes them through the
+polyparallel Strategy to the torch runtime plugin, which owns torch objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import polyparallel as pp
+from polyparallel import hookimpl
+
+__all__ = ["CAPABILITIES", "adapt"]
+
+#: Data and tensor parallelism (and both at once); no pipeline stages: Lightning's training loop
+#: runs one forward/backward per step on every rank, which a pipeline schedule would replace.
+CAPABILITIES = pp.Capabilities(
+    "lightning", axes={"data", "tensor"},
+    features={"lightning.pytorch", "pytorch_lightning", "ddp", "tensor_parallel_plan", "lightning_launcher",
+              "external_launcher", "sync_dist_over_data", "consolidated_checkpoints"},
+)
+
+
+def adapt(strategy: pp.Strategy, namespace: str | None = None, **kwargs: Any) -> Any:
+    """``strategy.adapt("lightning", namespace=None, plan=None, **kwargs)``: a Lightning strategy for
+    ``Trainer(strategy=...)`` of the namespace the user's Trainer comes from.
+
+    :param namespace: ``"lightning.pytorch"`` (``import lightning``) or ``"pytorch_lightning"``; by
+        default the one already imported (see :mod:`polyparallel_lightning.namespaces`).
+    :param kwargs: ``plan=`` (tensor-parallel plan) and Lightning ``DDPStrategy`` arguments.
+    :raises ImportError: Lightning is not installed; the message names ``polyparallel[lightning]``.
+    """
+    from .namespaces import resolve_namespace
+
+    ns = resolve_namespace(namespace)  # before importing torch or Lightning: a missing one fails fast
+    from .strategy import make_strategy
+
+    return make_strategy(strategy, ns.pytorch, **kwargs)
+
+
+@hookimpl
+def polyparallel_register_adapters(register: Callable[..., None]) -> None:
+    register("lightning", adapt, capabilities=CAPABILITIES,
+             description="a Lightning strategy: Trainer(strategy=strategy.adapt('lightning'))")
+
+
+@hookimpl
+def polyparallel_register_demos(register: Callable[..., None]) -> None:
+    from .demo import run_demo
+
+    register("lightning", run_demo)

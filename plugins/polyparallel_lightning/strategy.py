@@ -1,0 +1,443 @@
+"""The Lightning strategy the adapter returns: Lightning's ``DDPStrategy`` with every parallel
+decision taken from the polyparallel :class:`~polyparallel.Strategy` and the torch runtime.
+
+``Trainer(strategy=strategy.adapt("lightning"))``. What comes from where:
+
+============================  =================================================================
+process groups, timeouts      the torch runtime (``get_runtime(session)``: ``init_process_group``
+                              with the strategy's timeout, a ``DeviceMesh`` pipeline x data x tensor)
+data sharding                 ``distributed_sampler_kwargs`` give the *data* axis (size, coordinate)
+                              and the strategy's seed; the sampler Lightning injects from them is
+                              replaced by ``strategy.shard_data`` (training: the
+                              ``DataPolicy.remainder``; validation/test: ``"uneven"``, every sample
+                              once, so count-weighted metrics are exact)
+model wrapping                ``strategy.wrap_model``: DDP over the data sub-mesh (data only), or the
+                              runtime's tensor-parallel plan (``tensor > 1``)
+gradients                     ``strategy.sync_grads(model)`` after the closure, before the optimizer
+                              step (a documented no-op under DDP, which reduced in backward)
+``self.log(sync_dist=True)``  ``reduce`` over the *data* group through the runtime's bounded
+                              all-reduce (Lightning's epoch means are batch-size weighted)
+states                        ``strategy.sync_states(model)`` at validation/test/predict start and
+                              before each checkpoint (BatchNorm statistics averaged, parameters
+                              broadcast from data rank 0, per the ``StatePolicy``)
+checkpoints                   one consolidated file (tensor shards gathered), written by the first
+                              rank with the ``checkpoint`` role
+decisions, barriers           over the world (every rank must agree to stop or to save)
+============================  =================================================================
+
+The classes are built per Lightning namespace by :func:`strategy_class` (cached); the behaviour
+lives in :class:`StrategyMixin`, which imports nothing from Lightning at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+import polyparallel as pp
+
+from . import checkpoint
+from .environment import environment_class, launched_externally
+from .namespaces import NAMESPACES, resolve_namespace
+
+__all__ = ["StrategyMixin", "strategy_class", "make_strategy"]
+
+#: Keyword arguments that come from the polyparallel Strategy, not from the adapter's caller.
+_FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environment)",
+                  "process_group_backend": "Strategy(backend=...)", "timeout": "Strategy(timeout=...)"}
+_STATE_SYNC_WHEN = frozenset({"validation", "test", "predict", "checkpoint"})
+
+
+class StrategyMixin:
+    """The polyparallel behaviour mixed into Lightning's ``DDPStrategy`` (see the module docstring).
+
+    :param polyparallel_strategy: the :class:`polyparallel.Strategy` that decides everything.
+    :param namespace: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (set by the factory).
+    :param plan: tensor-parallel plan for ``tensor > 1``: ``{"submodule.path": ColwiseParallel()
+        | RowwiseParallel(), ...}`` relative to the LightningModule, or a callable
+        ``plan(lightning_module) -> dict``. Default: the runtime's Megatron plan of the module's
+        single ``nn.Sequential`` child.
+    :param kwargs: Lightning ``DDPStrategy`` arguments (``start_method=``, ``accelerator=``,
+        ``checkpoint_io=``, ...) and DDP arguments (``find_unused_parameters=``, ``static_graph=``).
+    """
+
+    def __init__(self, polyparallel_strategy: pp.Strategy, *, namespace: str, plan: Any = None, **kwargs: Any):
+        given = sorted(set(kwargs) & set(_FROM_STRATEGY))
+        if given:
+            where = "; ".join(f"{k} comes from {_FROM_STRATEGY[k]}" for k in given)
+            raise TypeError(f"adapt('lightning') got {given}, which the polyparallel Strategy decides: {where}.")
+        if plan is not None and not (callable(plan) or isinstance(plan, Mapping)):
+            raise TypeError(f"adapt('lightning', plan=) must be a dict or a callable(module) -> dict. "
+                            f"Received: {type(plan).__name__}.")
+        self._pp = polyparallel_strategy
+        self._ns = NAMESPACES[namespace]
+        self._plan = plan
+        self._runtime_cache: Any = None
+        super().__init__(  # type: ignore[call-arg]
+            cluster_environment=environment_class(namespace)(),
+            process_group_backend=polyparallel_strategy.backend,
+            timeout=timedelta(seconds=polyparallel_strategy.timeout),
+            **kwargs,
+        )
+
+    # -- what this process is -----------------------------------------------------------------------
+    @property
+    def polyparallel_strategy(self) -> pp.Strategy:
+        """The polyparallel Strategy this Lightning strategy follows."""
+        return self._pp
+
+    @property
+    def topology(self) -> pp.Topology:
+        """The strategy's topology resolved against Lightning's world size."""
+        return self._pp.topology.resolve(self.world_size)  # type: ignore[attr-defined]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always true: Lightning injects a sampler only for distributed strategies."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device: ``parallel_devices[local_rank]``; on CPU, with fewer ``devices`` than
+        processes started by an external launcher, the CPU."""
+        devices, local = self.parallel_devices, self.local_rank  # type: ignore[attr-defined]
+        if devices and local < len(devices):
+            return devices[local]
+        if devices and all(d.type == "cpu" for d in devices):
+            return devices[0]
+        raise pp.TopologyError(
+            f"local rank {local} has no device: Trainer(devices=) gives {len(devices or [])} "
+            f"({devices}). Set devices to the number of processes started on this node."
+        )
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data axis only: ranks that share a data coordinate (tensor replicas) get the same
+        shard; shuffling is seeded by the polyparallel Strategy."""
+        topology = self.topology
+        return {"num_replicas": topology.size("data"),
+                "rank": topology.coords(self.global_rank)["data"],  # type: ignore[attr-defined]
+                "seed": self._pp.seed}
+
+    @property
+    def runtime(self) -> Any:
+        """The torch runtime of this process (process groups, mesh, bounded collectives)."""
+        rt = self._runtime_cache
+        if rt is None or rt.session.closed:
+            from polyparallel_torch.runtime import get_runtime
+
+            rt = self._runtime_cache = get_runtime(self._session())
+        return rt
+
+    def _session(self) -> pp.Session:
+        session = self._pp.session()
+        world = self.world_size  # type: ignore[attr-defined]
+        if session.world_size != world and session.world_size == 1:
+            # Made before Lightning launched the other processes: it holds no process group.
+            session.close()
+            session = self._pp.session()
+        if session.world_size != world:
+            raise pp.TopologyError(
+                f"This process belongs to a world of {session.world_size} (its polyparallel session) but "
+                f"Lightning sees {world} processes. Launch once: either Trainer(devices=N) alone, or "
+                "`polyparallel launch`/torchrun/polyparallel.launch with devices matching the processes per node."
+            )
+        return session
+
+    # -- launch and process groups ---------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        world = self.world_size  # type: ignore[attr-defined]
+        try:
+            self._pp.topology.resolve(world)
+        except pp.TopologyError as exc:
+            how = ("the external launcher started" if launched_externally() else
+                   f"Trainer(devices={self.num_processes}, num_nodes={self.num_nodes}) makes")  # type: ignore[attr-defined]
+            raise pp.TopologyError(
+                f"{self._pp!r} cannot run on the {world} processes {how}: {exc}"
+            ) from None
+        super()._configure_launcher()  # type: ignore[misc]
+
+    def setup_distributed(self) -> None:
+        """Ranks from the cluster environment, then the runtime's groups (not Lightning's
+        ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
+        importlib.import_module(f"{self._ns.fabric}.utilities.seed").reset_seed()
+        # Lightning warns that an injected DistributedSampler repeats evaluation samples; the
+        # adapter replaces it by an "uneven" shard (each sample once), so the warning is wrong here.
+        warnings.filterwarnings("ignore", message="Using `DistributedSampler` with the dataloaders")
+        self.set_world_ranks()  # type: ignore[attr-defined]
+        if self.world_size > 1:  # type: ignore[attr-defined]
+            # polyparallel reads the launcher's variables; Lightning's own launcher sets only some.
+            env = self.cluster_environment  # type: ignore[attr-defined]
+            for key, value in (("RANK", self.global_rank), ("WORLD_SIZE", self.world_size),  # type: ignore[attr-defined]
+                               ("LOCAL_RANK", self.local_rank), ("MASTER_ADDR", env.main_address),  # type: ignore[attr-defined]
+                               ("MASTER_PORT", env.main_port)):
+                os.environ.setdefault(key, str(value))
+        rt = self.runtime
+        if rt.device.type != self.root_device.type:
+            raise pp.TopologyError(
+                f"The torch runtime computes on {rt.device} but the Trainer's accelerator gives {self.root_device}. "
+                "Use Trainer(accelerator=...) matching the runtime's device (cuda when available, else cpu)."
+            )
+        self._process_group_backend = rt.backend
+
+    # -- model ---------------------------------------------------------------------------------------------
+    def _tensor_plan(self, module: nn.Module) -> dict[str, Any]:
+        plan = self._plan(module) if callable(self._plan) else self._plan
+        if plan is not None:
+            return dict(plan)
+        from polyparallel_torch.model import default_plan
+
+        sequential = [(name, child) for name, child in module.named_children() if isinstance(child, nn.Sequential)]
+        if len(sequential) != 1:
+            raise TypeError(
+                f"tensor={self.topology.size('tensor')} needs a tensor-parallel plan for {type(module).__name__}: "
+                f"the default plan applies to a module with exactly one nn.Sequential child, it has "
+                f"{len(sequential)}. Pass strategy.adapt('lightning', plan={{'layer.path': ColwiseParallel(), ...}})."
+            )
+        name, child = sequential[0]
+        try:
+            return {f"{name}.{path}": style for path, style in default_plan(child).items()}
+        except TypeError as exc:
+            raise TypeError(f"{exc} (in {type(module).__name__}.{name}; pass strategy.adapt('lightning', "
+                            "plan={...}))") from None
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """``strategy.wrap_model``: DDP over the data group, or the tensor-parallel plan (applied once)."""
+        options: dict[str, Any] = {}
+        if self.topology.size("tensor") > 1:
+            if checkpoint.is_tensor_parallel(model):
+                return model  # parallelised by an earlier fit/validate; replicas already equal
+            options["plan"] = self._tensor_plan(model)
+        if self._ddp_kwargs:  # type: ignore[attr-defined]
+            options["ddp_kwargs"] = dict(self._ddp_kwargs)  # type: ignore[attr-defined]
+        return self._pp.wrap_model(model, **options)
+
+    def configure_ddp(self) -> None:
+        """Wrap through polyparallel; Lightning's DDP communication hooks only for a DDP model."""
+        self.model = self._setup_model(self.model)  # type: ignore[has-type]
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            self._register_ddp_hooks()  # type: ignore[attr-defined]
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup for fitting; for validate/test/predict the tensor plan is applied too
+        (Lightning's own DDP leaves the model bare there)."""
+        if self._layer_sync is not None and self.topology.size("tensor") > 1:  # type: ignore[attr-defined]
+            raise pp.UnsupportedTopologyError(
+                "Trainer(sync_batchnorm=True) synchronises over the world, which would mix tensor-parallel "
+                f"replicas (tensor={self.topology.size('tensor')}). Use sync_batchnorm=False, or tensor=1."
+            )
+        if trainer.state.fn == "fit":
+            super().setup(trainer)  # type: ignore[misc]
+        else:
+            self.accelerator.setup(trainer)  # type: ignore[attr-defined]
+            self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
+            self.model_to_device()  # type: ignore[attr-defined]
+            if self.topology.size("tensor") > 1:
+                self.model = self._setup_model(self.model)  # type: ignore[has-type]
+            self.setup_precision_plugin()  # type: ignore[attr-defined]
+        self._scope_torchmetrics()
+
+    def _scope_torchmetrics(self) -> None:
+        # torchmetrics reduce over the world unless told otherwise: with tensor replicas that
+        # counts every sample once per replica. Point the unscoped ones at the data group.
+        if self.topology.size("tensor") == 1 or "torchmetrics" not in sys.modules:
+            return
+        from torchmetrics import Metric
+
+        group = self.runtime.group("data")
+        for module in self.lightning_module.modules():  # type: ignore[attr-defined]
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
+
+    # -- gradients --------------------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Run the closure (forward, backward), ``strategy.sync_grads(model)``, then Lightning's step
+        (gradient clipping and ``on_before_optimizer_step`` see the synchronised gradients)."""
+
+        def closure_then_sync() -> Any:
+            output = closure()
+            self._pp.sync_grads(self.model)  # type: ignore[attr-defined]
+            return output
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)  # type: ignore[misc]
+
+    # -- metrics, decisions, collectives -------------------------------------------------------------------
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``: reduce over the data group (an explicit
+        ``sync_dist_group`` is honoured as given). In place, as Lightning expects."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        if group is not None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        op = _op_name(reduce_op)
+        if op == "avg" and not tensor.is_floating_point():
+            tensor = tensor.float()
+        return self.runtime.all_reduce(tensor, op, "reduce (self.log sync_dist=True)", "data")
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Over the world: every rank (tensor replicas too) must stop, or save, together."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        with self.runtime.collective("reduce_boolean_decision", "world"):
+            votes = super().reduce(votes, reduce_op="sum")  # type: ignore[misc]
+        return bool(votes == self.world_size) if all else bool(votes)  # type: ignore[attr-defined]
+
+    def barrier(self, name: str | None = None) -> None:
+        """A world barrier, bounded by the strategy's timeout (an error names the rank)."""
+        with self.runtime.collective(f"barrier({name})" if name else "barrier", "world"):
+            super().barrier(name)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Broadcast a picklable object from global rank ``src`` (checkpoint paths, decisions)."""
+        with self.runtime.collective("broadcast", "world"):
+            return super().broadcast(obj, src)  # type: ignore[misc]
+
+    # -- states and checkpoints ---------------------------------------------------------------------------
+    def sync_states(self) -> None:
+        """``strategy.sync_states(model)``: the StatePolicy over the data axis (BatchNorm statistics
+        averaged, parameters broadcast from data rank 0, counters left alone)."""
+        if self.world_size > 1 and self.model is not None:  # type: ignore[attr-defined]
+            self._pp.sync_states(self.model)  # type: ignore[attr-defined]
+
+    def on_validation_start(self) -> None:
+        """Evaluate with synchronised states."""
+        super().on_validation_start()  # type: ignore[misc]
+        self.sync_states()
+
+    def on_test_start(self) -> None:
+        """Test with synchronised states."""
+        super().on_test_start()  # type: ignore[misc]
+        self.sync_states()
+
+    def on_predict_start(self) -> None:
+        """Predict with synchronised states."""
+        super().on_predict_start()  # type: ignore[misc]
+        self.sync_states()
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this rank writes Lightning's (consolidated) checkpoint files: the first rank with
+        the ``checkpoint`` role."""
+        return self.global_rank == self.topology.ranks_with_role("checkpoint")[0]  # type: ignore[attr-defined]
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """States synchronised, then tensor-parallel shards gathered (every rank calls this)."""
+        self.sync_states()
+        state = super().lightning_module_state_dict()  # type: ignore[misc]
+        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """Optimizer state with tensor-parallel shards gathered."""
+        state = super().optimizer_state(optimizer)  # type: ignore[misc]
+        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write the file once, on :attr:`writes_checkpoints`."""
+        if self.writes_checkpoints:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a file the writer wrote."""
+        if self.writes_checkpoints:
+            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
+
+    def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a consolidated checkpoint, into shards if the model is parallelised already."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        state = checkpoint_["state_dict"]
+        if checkpoint.is_tensor_parallel(module):
+            state = checkpoint.localize_state(state, module)
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint_: Mapping[str, Any]) -> None:
+        """Load optimizer states; full tensors of sharded parameters are cut into shards."""
+        super().load_optimizer_state_dict(checkpoint_)  # type: ignore[misc]
+        for optimizer in self.optimizers:  # type: ignore[attr-defined]
+            checkpoint.localize_optimizer(getattr(optimizer, "_optimizer", optimizer))
+
+    # -- data -------------------------------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Replace the ``DistributedSampler`` Lightning injected from :attr:`distributed_sampler_kwargs`
+        by ``strategy.shard_data``: the DataPolicy's remainder for training, ``"uneven"`` for
+        evaluation. Loaders with other samplers are left as Lightning made them."""
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        if not isinstance(dataloader, DataLoader) or type(dataloader.sampler) is not DistributedSampler:
+            return dataloader
+        sampler, expected = dataloader.sampler, self.distributed_sampler_kwargs
+        if (sampler.num_replicas, sampler.rank) != (expected["num_replicas"], expected["rank"]):
+            return dataloader  # the user's own sampler, over another world: not ours to change
+        overrides: dict[str, Any] = {"shuffle": sampler.shuffle}
+        if not self._training():
+            overrides["remainder"] = "uneven"
+        elif sampler.drop_last:
+            overrides["remainder"] = "drop"
+        return self._pp.shard_data(dataloader, **overrides)
+
+    def _training(self) -> bool:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return trainer is None or trainer.state.stage == "train"
+
+
+def _op_name(reduce_op: Any) -> str:
+    """Lightning's ``reduce_op`` (``"mean"``, ``"sum"``, a ``ReduceOp``...) as the runtime's op name."""
+    import torch.distributed as dist
+
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}.get(reduce_op.lower())
+        if name:
+            return name
+    else:
+        for name, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN),
+                         ("avg", dist.ReduceOp.AVG)):
+            if reduce_op == op:
+                return name
+    raise ValueError(f"reduce(): unsupported reduce_op {reduce_op!r}; expected 'mean', 'sum', 'max', 'min' "
+                     "or the matching torch.distributed.ReduceOp.")
+
+
+@functools.cache
+def strategy_class(namespace: str) -> type:
+    """The Lightning strategy class for a namespace (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``): :class:`StrategyMixin` over that namespace's ``DDPStrategy``;
+    built on first use and cached."""
+    ns = NAMESPACES[namespace]
+    base = importlib.import_module(f"{ns.pytorch}.strategies").DDPStrategy
+    name = f"PolyparallelStrategy_{ns.suffix}"
+    return type(name, (StrategyMixin, base), {
+        "__module__": __name__, "__qualname__": name,
+        "__doc__": f"{StrategyMixin.__doc__}\n\n    For the ``{ns.pytorch}`` Trainer.",
+    })
+
+
+def make_strategy(strategy: pp.Strategy, namespace: str | None = None, plan: Any = None, **kwargs: Any) -> Any:
+    """The ``lightning`` adapter: ``strategy.adapt("lightning", namespace=None, plan=None, **kwargs)``.
+
+    :param namespace: which Lightning's Trainer will receive it (see
+        :func:`~polyparallel_lightning.namespaces.resolve_namespace` for the automatic rule).
+    :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
+    :param kwargs: passed to Lightning's ``DDPStrategy`` (``start_method=``, ``find_unused_parameters=``...).
+    :raises ImportError: Lightning is not installed (names the extra to install).
+    """
+    ns = resolve_namespace(namespace)
+    return strategy_class(ns.pytorch)(strategy, namespace=ns.pytorch, plan=plan, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # Pickle finds the per-namespace classes by name (Lightning's spawn launcher pickles the Trainer).
+    for key, ns in NAMESPACES.items():
+        if name == f"PolyparallelStrategy_{ns.suffix}":
+            return strategy_class(key)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,147 @@
+"""The adapter in real Lightning runs (gloo on CPU, processes from polyparallel.launch).
+
+- data=2: the loss curve equals Lightning's own ``strategy="ddp"`` on the same module and seed,
+  and the epoch mean of ``self.log(sync_dist=True)`` is the count-weighted mean over all samples;
+- data=2 x tensor=2: ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write one consolidated
+  file, once; resuming from it gives the parameters of an uninterrupted run (momentum included);
+  torchmetrics reduce over the data group, not the world.
+"""
+
+import pytest
+import torch
+
+import polyparallel as pp
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+NS = "lightning.pytorch"
+
+
+def _loader(per_rank):
+    from torch.utils.data import DataLoader
+
+    from polyparallel_torch.testing import reference_dataset
+
+    return DataLoader(reference_dataset(37), batch_size=per_rank, shuffle=True)
+
+
+def _parity_worker(strategy):
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+    from polyparallel_torch.testing import flat_params
+
+    module_cls = reference_module_class(NS)
+    ours = module_cls(0)
+    trainer = make_trainer(strategy, NS, max_epochs=2, limit_val_batches=0)
+    trainer.fit(ours, _loader(4))
+    ours_epoch_loss = float(trainer.callback_metrics["train_loss"])
+    ours_sampler = type(trainer.train_dataloader.sampler).__name__
+    lightning_ddp = module_cls(0)
+    trainer = make_trainer(strategy, NS, adapter="ddp", max_epochs=2, limit_val_batches=0)
+    trainer.fit(lightning_ddp, _loader(4))
+    return {"rank": strategy.rank, "ours": ours.losses, "ddp": lightning_ddp.losses,
+            "ours_epoch_loss": ours_epoch_loss, "ddp_epoch_loss": float(trainer.callback_metrics["train_loss"]),
+            "ours_params": flat_params(ours.net), "ddp_params": flat_params(lightning_ddp.net),
+            "ddp_class": type(trainer.strategy).__name__, "ours_sampler": ours_sampler}
+
+
+def test_loss_curve_equals_lightning_ddp_and_epoch_mean_is_count_weighted(run):
+    strategy = pp.Strategy(data=2, timeout=60, seed=0)
+    results = run(_parity_worker, strategy, 2, strategy)
+    steps_per_epoch = 5  # 37 samples padded to 38, 19 per rank, batches of 4: 4, 4, 4, 4, 3
+    for r in results:
+        assert r["ddp_class"] == "DDPStrategy"
+        assert r["ours_sampler"] == "TopologySampler", "the adapter shards through strategy.shard_data"
+        assert len(r["ours"]) == len(r["ddp"]) == 2 * steps_per_epoch
+        assert r["ours"] == pytest.approx(r["ddp"], abs=1e-5, rel=1e-5), f"rank {r['rank']}"
+        for name, values in r["ours_params"].items():
+            assert values == pytest.approx(r["ddp_params"][name], abs=1e-5), name
+    assert results[0]["ours"] != results[1]["ours"], "both ranks saw the same batches"
+    # The epoch value of self.log(on_epoch=True, sync_dist=True): every sample of the last epoch
+    # weighted once, over both data ranks (a mean of per-rank means would weigh the batch of 3 like the 4s).
+    sizes = [4, 4, 4, 4, 3]
+    total = sum(loss * n for r in results for loss, n in zip(r["ours"][-steps_per_epoch:], sizes))
+    expected = total / (2 * sum(sizes))
+    for r in results:
+        assert r["ours_epoch_loss"] == pytest.approx(expected, rel=1e-6)
+        assert r["ours_epoch_loss"] == pytest.approx(r["ddp_epoch_loss"], rel=1e-6)
+
+
+def _checkpoint_worker(strategy, directory):
+    import os
+
+    import torchmetrics
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+    from polyparallel_torch.testing import flat_params
+
+    class CountingCheckpointIO(TorchCheckpointIO):
+        """Lightning's own writer, recording which files this rank wrote."""
+
+        def __init__(self):
+            super().__init__()
+            self.written = []
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            self.written.append(os.path.basename(path))
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    module_cls = reference_module_class(NS)
+    short = dict(limit_train_batches=2, limit_val_batches=0)
+    uninterrupted = module_cls(0, momentum=0.9)
+    make_trainer(strategy, NS, max_epochs=2, **short).fit(uninterrupted, _loader(4))
+
+    writer = CountingCheckpointIO()
+    first = module_cls(0, momentum=0.9)
+    trainer = make_trainer(strategy, NS, max_epochs=1, enable_checkpointing=True, plugins=[writer],
+                           callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)], **short)
+    trainer.fit(first, _loader(4))
+    trainer.save_checkpoint(os.path.join(directory, "manual.ckpt"))
+    resumed = module_cls(0, momentum=0.9)
+    make_trainer(strategy, NS, max_epochs=2, **short).fit(resumed, _loader(4),
+                                                            ckpt_path=os.path.join(directory, "last.ckpt"))
+
+    class CountingModule(module_cls):
+        def __init__(self):
+            super().__init__(0)
+            self.counted = torchmetrics.SumMetric()
+
+        def validation_step(self, batch, batch_idx):
+            super().validation_step(batch, batch_idx)
+            self.counted.update(float(len(batch[1])))
+            self.log("torchmetrics_samples", self.counted)
+
+    counting = CountingModule()
+    trainer = make_trainer(strategy, NS)
+    trainer.validate(counting, _loader(4), verbose=False)
+    return {"rank": strategy.rank, "written": writer.written, "after_first": flat_params(first.net),
+            "uninterrupted": flat_params(uninterrupted.net), "resumed": flat_params(resumed.net),
+            "samples": float(trainer.callback_metrics["samples"]),
+            "torchmetrics_samples": float(trainer.callback_metrics["torchmetrics_samples"])}
+
+
+def test_hybrid_checkpoints_are_written_once_consolidated_and_resume_exactly(run, tmp_path):
+    from polyparallel_torch.testing import reference_model
+
+    strategy = pp.Strategy(data=2, tensor=2, timeout=60)
+    results = run(_checkpoint_worker, strategy, 4, strategy, str(tmp_path))
+    by_rank = {r["rank"]: r for r in results}
+    assert sorted(by_rank[0]["written"]) == ["epoch=0-step=2.ckpt", "last.ckpt", "manual.ckpt"]
+    assert all(not by_rank[rank]["written"] for rank in (1, 2, 3)), "only the checkpoint writer writes"
+    for r in results:
+        for name, values in r["resumed"].items():
+            assert values == pytest.approx(r["uninterrupted"][name], abs=1e-6), f"{name} on rank {r['rank']}"
+        assert r["samples"] == 37.0, "self.log(reduce_fx='sum', sync_dist=True) counted tensor replicas"
+        assert r["torchmetrics_samples"] == 37.0, "a torchmetrics metric was reduced over the world"
+    # One file with full (gathered) tensors: it loads into the plain, single-process model.
+    checkpoint = torch.load(tmp_path / "manual.ckpt", map_location="cpu", weights_only=False)
+    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
+    assert state["0.weight"].shape == (16, 8) and state["2.weight"].shape == (16, 16)
+    model = reference_model(1)
+    model.load_state_dict(state)
+    after_first = by_rank[0]["after_first"]
+    for name, param in model.named_parameters():
+        assert param.reshape(-1).double().tolist() == pytest.approx(after_first[name], abs=1e-7), name
+    momentum = checkpoint["optimizer_states"][0]["state"][0]["momentum_buffer"]
+    assert momentum.shape == (16, 8), "optimizer state of a sharded parameter must be gathered too"
