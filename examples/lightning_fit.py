@@ -21,6 +21,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 
 import torch
 from torch import nn
@@ -90,7 +91,8 @@ def main() -> None:
     module = DigitsModule()
     trainer.fit(module, train, val, ckpt_path=ARGS.resume)
 
-    print("RESULT " + json.dumps({
+    # One write per line: the lines of concurrent ranks cannot interleave (even with PYTHONUNBUFFERED).
+    sys.stdout.write("RESULT " + json.dumps({
         "rank": trainer.global_rank, "world_size": trainer.world_size,
         "topology": repr(lightning_strategy.topology), "coords": strategy.session().coords,
         "external_launch": EXTERNAL_LAUNCH, "namespace": ARGS.namespace,
@@ -98,7 +100,8 @@ def main() -> None:
         "train_loss": float(trainer.callback_metrics["train_loss_epoch"]),
         "val_accuracy": float(trainer.callback_metrics["val_accuracy"]),
         "last_checkpoint": checkpoint.last_model_path,
-    }), flush=True)
+    }) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,8 +44,16 @@ def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, npro
         with open(os.path.join(outdir, f"{local_rank}.pkl.tmp"), "wb") as f:
             pickle.dump(result, f)
         os.replace(os.path.join(outdir, f"{local_rank}.pkl.tmp"), os.path.join(outdir, f"{local_rank}.pkl"))
-    finally:
+    except BaseException:
         strategy.plugin_manager.close_sessions()
+        raise
+    # The result is safe on disk: end the process without tearing down the gloo groups. Destroying
+    # them while peers are still exiting (or still waiting after a timeout) can abort the process
+    # in gloo's threads ("terminate called without an active exception", torch 2.13), which would
+    # turn a finished rank into a failed one; the OS releases the sockets either way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -66,10 +67,11 @@ def test_world_size_mismatch_refused_before_any_process():
 
 
 SCRIPT = textwrap.dedent("""
-    import json, polyparallel as pp
+    import json, sys, polyparallel as pp
     s = pp.Strategy(data=-1, timeout=30)
     got = s.reduce_metrics({"loss": pp.Mean(float(s.rank + 1), 1)})
-    print("RESULT", json.dumps({"rank": s.rank, "world": s.world_size, **got}), flush=True)
+    sys.stdout.write("RESULT " + json.dumps({"rank": s.rank, "world": s.world_size, **got}) + "\\n")
+    sys.stdout.flush()
 """)
 
 
@@ -83,7 +85,8 @@ def test_cli_launch_delegates_to_torchrun(tmp_path):
         capture_output=True, text=True, env=env, timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = [json.loads(line.split("RESULT", 1)[1]) for line in proc.stdout.splitlines() if "RESULT" in line]
+    # Two ranks print to one pipe: lines may interleave, so find each JSON object after its marker.
+    rows = [json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", proc.stdout)]
     assert sorted(r["rank"] for r in rows) == [0, 1]
     assert all(r["world"] == 2 and r["loss"] == 1.5 for r in rows)
 
