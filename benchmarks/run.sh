@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every ratio benchmark, one after the other (never concurrently: they share 2 cores), each
+# comparing polyparallel with hand-written native code side by side in one process tree.
+# Tables go to stdout and to benchmarks/results/latest.md; figures to benchmarks/results/*.json.
+#   bash benchmarks/run.sh            # full runs
+#   bash benchmarks/run.sh --quick    # a smoke run: fewer repeats everywhere
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/tools/env.sh"
+cd "$ROOT"
+export OMP_NUM_THREADS=1
+mkdir -p benchmarks/results
+QUICK=(); JAX_QUICK=()
+if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); JAX_QUICK=(--steps 40 --repeats 2); fi
+OUT=benchmarks/results/latest.md
+{
+    echo "# polyparallel benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores)"
+    echo; echo '## torch runtime'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_torch.py "${QUICK[@]}" --json benchmarks/results/torch.json
+    echo '```'; echo; echo '## Lightning adapter'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_lightning.py "${QUICK[@]}" --json benchmarks/results/lightning.json
+    echo '```'; echo; echo '## Ignite adapter'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_ignite.py "${QUICK[@]}" --json benchmarks/results/ignite.json
+    echo '```'; echo; echo '## JAX Model.fit'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_jax.py "${JAX_QUICK[@]}" --json benchmarks/results/jax.json
+    echo '```'
+} 2> >(grep -v -e '^W1' -e 'Warning' >&2) | tee "$OUT"
