@@ -60,7 +60,14 @@ def _module_class() -> type:
 
 
 def _worker(strategy: pp.Strategy, rounds: int, samples: int, width: int) -> dict[str, Any]:
+    import logging
+    import warnings
+
     import lightning.pytorch as L
+
+    # Keep the table readable: Lightning's per-Trainer banners and tips say nothing measured here.
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -135,8 +135,9 @@ def _train_step_worker(quick: bool) -> dict[str, float]:
     times: dict[str, list[float]] = {"native": [], "ours": []}
     for epoch in range(epochs):
         native_loader.sampler.set_epoch(epoch)
-        for native_batch, ours_batch in zip(native_loader, ours_loader):
-            for name, step, batch in (("native", native_step, native_batch), ("ours", ours_step, ours_batch)):
+        for i, (native_batch, ours_batch) in enumerate(zip(native_loader, ours_loader)):
+            pair = [("native", native_step, native_batch), ("ours", ours_step, ours_batch)]
+            for name, step, batch in (pair if i % 2 else pair[::-1]):  # alternate who goes first
                 dist.barrier()
                 start = time.perf_counter()
                 step(batch)

@@ -14,7 +14,7 @@ QUICK=(); JAX_QUICK=()
 if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); JAX_QUICK=(--steps 40 --repeats 2); fi
 OUT=benchmarks/results/latest.md
 {
-    echo "# polyparallel benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc) cores)"
+    echo "# polyparallel benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc --all) cores)"
     echo; echo '## torch runtime'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_torch.py "${QUICK[@]}" --json benchmarks/results/torch.json
     echo '```'; echo; echo '## Lightning adapter'; echo '```'

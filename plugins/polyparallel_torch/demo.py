@@ -43,7 +43,7 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
             strategy.sync_grads(model)
             opt.step()
             step_times.append(time.perf_counter() - start)
-            total += float(loss) * len(y)
+            total += loss.item() * len(y)
             count += len(y)
         last = pp.Mean(total, count)
     eval_loader = strategy.shard_data(test, batch_size=p.global_batch, remainder="uneven", shuffle=False)
