@@ -53,7 +53,7 @@ def _reference(steps):
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return model, losses
 
 
