@@ -52,6 +52,14 @@ def path_name(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+def _is_partition_spec(spec: Any) -> bool:
+    # By isinstance, not by class name: in jax 0.10 the class is named ``P`` and is no tuple.
+    import sys
+
+    sharding = sys.modules.get("jax.sharding")
+    return sharding is not None and isinstance(spec, sharding.PartitionSpec)
+
+
 def normalize_plan(plan: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[Rule]:
     """Validate a plan given as a mapping or a sequence of ``(pattern, spec)`` pairs."""
     pairs = list(plan.items()) if isinstance(plan, Mapping) else list(plan)
@@ -64,7 +72,7 @@ def normalize_plan(plan: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[
             re.compile(pattern)
         except re.error as exc:
             raise PlanError(f"Partition rule pattern {pattern!r} is not a valid regular expression: {exc}.") from None
-        spec = tuple(spec) if isinstance(spec, (tuple, list)) or type(spec).__name__ == "PartitionSpec" else (spec,)
+        spec = tuple(spec) if isinstance(spec, (tuple, list)) or _is_partition_spec(spec) else (spec,)
         for entry in spec:
             names = entry if isinstance(entry, tuple) else (entry,)
             for name in names:

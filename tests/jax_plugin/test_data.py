@@ -1,0 +1,163 @@
+"""polyparallel_jax.data: host arrays -> global batches sharded over the data axis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import polyparallel as pp
+from polyparallel_jax.data import Batch, DataError, ShardedArrays, is_host_data, shard_order
+
+
+def _x(n: int) -> np.ndarray:
+    # Row i holds i in every column: a row's value names its sample.
+    return np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
+
+
+# -- shard_order: which samples each data coordinate trains on --------------------------------
+
+
+def test_uneven_shards_are_disjoint_and_complete_for_a_size_that_does_not_divide():
+    shards = shard_order(37, 8, seed=0, epoch=0, shuffle=True, remainder="uneven")
+    assert len(shards) == 8
+    assert sorted(len(s) for s in shards) == [4, 4, 4, 5, 5, 5, 5, 5]
+    joined = np.concatenate(shards)
+    assert len(joined) == 37 and sorted(joined.tolist()) == list(range(37))
+
+
+def test_pad_repeats_the_first_samples_of_the_order_so_shards_are_equal():
+    shards = shard_order(37, 8, seed=3, epoch=1, shuffle=True, remainder="pad")
+    order = np.random.default_rng([3, 1]).permutation(37)
+    assert {len(s) for s in shards} == {5}
+    joined = np.concatenate(shards)
+    assert set(joined.tolist()) == set(range(37))
+    repeated = sorted(v for v in set(joined.tolist()) if (joined == v).sum() > 1)
+    assert repeated == sorted(order[:3].tolist())  # 40 - 37 = 3 padding samples
+
+
+def test_drop_drops_the_tail_and_keeps_shards_disjoint():
+    shards = shard_order(37, 8, seed=0, epoch=0, shuffle=True, remainder="drop")
+    order = np.random.default_rng([0, 0]).permutation(37)
+    assert {len(s) for s in shards} == {4}
+    joined = np.concatenate(shards)
+    assert len(set(joined.tolist())) == 32
+    assert set(joined.tolist()) == set(order[:32].tolist())
+
+
+def test_shards_are_the_strided_slices_of_the_order():
+    order = np.random.default_rng([5, 2]).permutation(20)
+    shards = shard_order(20, 4, seed=5, epoch=2, shuffle=True, remainder="pad")
+    for d, shard in enumerate(shards):
+        np.testing.assert_array_equal(shard, order[d::4])
+
+
+def test_shuffle_is_deterministic_in_seed_and_epoch():
+    def flat(seed, epoch):
+        return np.concatenate(shard_order(50, 4, seed=seed, epoch=epoch, shuffle=True, remainder="uneven"))
+
+    np.testing.assert_array_equal(flat(1, 0), flat(1, 0))
+    assert not np.array_equal(flat(1, 0), flat(1, 1)), "each epoch reshuffles"
+    assert not np.array_equal(flat(1, 0), flat(2, 0)), "the seed changes the order"
+
+
+def test_without_shuffle_the_order_is_the_identity():
+    shards = shard_order(10, 4, seed=9, epoch=7, shuffle=False, remainder="uneven")
+    assert [s.tolist() for s in shards] == [[0, 4, 8], [1, 5, 9], [2, 6], [3, 7]]
+
+
+def test_is_host_data():
+    a = np.zeros(3)
+    assert is_host_data(a) and is_host_data((a, a)) and is_host_data([a]) and is_host_data({"x": a})
+    assert not is_host_data(()) and not is_host_data({}) and not is_host_data([1, 2, 3])
+    assert not is_host_data((a, [1.0])) and not is_host_data(object())
+
+
+# -- ShardedArrays: global batches ------------------------------------------------------------
+
+
+def test_global_batches_are_consecutive_slices_of_the_order_and_hold_their_rows(jax_strategy):
+    strategy = jax_strategy(data=8, batch_size=16, seed=4)
+    sharded = strategy.shard_data(_x(64))
+    assert isinstance(sharded, ShardedArrays) and len(sharded) == 4
+    order = np.random.default_rng([4, 0]).permutation(64)
+    batches = list(sharded.batches(0))
+    assert len(batches) == 4
+    for i, batch in enumerate(batches):
+        assert isinstance(batch, Batch) and batch.size == 16
+        assert batch.data.shape == (16, 3) and batch.data.sharding.spec == P("data")
+        # the rows a single device would see with the same global batch size and seed
+        assert sorted(batch.indices.tolist()) == sorted(order[i * 16:(i + 1) * 16].tolist())
+        np.testing.assert_array_equal(np.asarray(batch.data), _x(64)[batch.indices])
+        np.testing.assert_array_equal(np.asarray(batch.mask), np.ones(16, np.float32))
+
+
+def test_each_device_holds_its_data_coordinates_rows_and_tensor_replicas_match(jax_strategy):
+    strategy = jax_strategy(data=4, tensor=2, batch_size=8)
+    sharded = strategy.shard_data(_x(40))
+    assert sharded.runtime.data_size == 4 and sharded.per_device == 2
+    shards = sharded.indices(0)
+    batch = next(iter(sharded.batches(0)))
+    mesh = sharded.runtime.mesh
+    for piece in batch.data.addressable_shards:
+        coord = int(np.argwhere(mesh.devices == piece.device)[0][mesh.axis_names.index("data")])
+        np.testing.assert_array_equal(np.asarray(piece.data)[:, 0], shards[coord][:2].astype(np.float32))
+
+
+def test_uneven_masks_count_every_sample_exactly_once(jax_strategy):
+    strategy = jax_strategy(data=8, batch_size=16)
+    sharded = strategy.shard_data(_x(37), remainder="uneven", shuffle=False)
+    batches = list(sharded.batches(0))
+    assert len(sharded) == len(batches) == 3  # longest shard 5 rows, 2 per device per step
+    assert [b.size for b in batches] == [16, 16, 8]
+    real = np.concatenate([b.indices[np.asarray(b.mask) == 1] for b in batches])
+    assert sorted(real.tolist()) == list(range(37))
+    assert sum(float(np.asarray(b.mask).sum()) for b in batches) == 37
+    for b in batches:  # every row, padding included, holds the sample its index names
+        np.testing.assert_array_equal(np.asarray(b.data)[:, 0], b.indices.astype(np.float32))
+
+
+def test_pad_and_drop_batches(jax_strategy):
+    strategy = jax_strategy(data=8, batch_size=16)
+    padded = list(strategy.shard_data(_x(37), remainder="pad").batches(0))
+    assert sum(b.size for b in padded) == 40 and all(float(np.asarray(b.mask).min()) == 1.0 for b in padded)
+    assert set(np.concatenate([b.indices for b in padded]).tolist()) == set(range(37))
+    dropped = list(strategy.shard_data(_x(37), remainder="drop").batches(0))
+    seen = np.concatenate([b.indices for b in dropped])
+    assert len(seen) == 32 and len(set(seen.tolist())) == 32
+
+
+def test_epochs_reshuffle_the_batches(jax_strategy):
+    sharded = jax_strategy(data=8, batch_size=16).shard_data(_x(32))
+    first = [b.indices.tolist() for b in sharded.batches(0)]
+    assert first == [b.indices.tolist() for b in sharded.batches(0)]
+    assert first != [b.indices.tolist() for b in sharded.batches(1)]
+
+
+def test_tuple_and_dict_structure_is_kept(jax_strategy):
+    strategy = jax_strategy(data=8, batch_size=8)
+    x, y = _x(16), np.arange(16, dtype=np.int32)
+    xb, yb = next(iter(strategy.shard_data((x, y)).batches(0))).data
+    np.testing.assert_array_equal(np.asarray(xb)[:, 0], np.asarray(yb).astype(np.float32))
+    batch = next(iter(strategy.shard_data({"x": x, "y": y}).batches(0)))
+    assert set(batch.data) == {"x", "y"}
+    np.testing.assert_array_equal(np.asarray(batch.data["y"]), batch.indices)
+
+
+# -- errors before anything is compiled -------------------------------------------------------
+
+
+def test_batch_size_not_divisible_by_the_data_axis(jax_strategy):
+    with pytest.raises(DataError, match=r"batch_size=30 with data=8; use a multiple of 8 \(e\.g\. 24\)"):
+        jax_strategy(data=8, batch_size=30).shard_data(_x(64))
+    assert issubclass(DataError, ValueError) and issubclass(DataError, pp.PolyparallelError)
+
+
+def test_missing_batch_size_unequal_lengths_and_empty_data(jax_strategy):
+    strategy = jax_strategy(data=8)
+    with pytest.raises(DataError, match="needs a global batch size"):
+        strategy.shard_data(_x(16))
+    with pytest.raises(DataError, match=r"equal length.*\[16, 15\]"):
+        strategy.shard_data((_x(16), np.zeros(15)), batch_size=8)
+    with pytest.raises(DataError, match="empty data set"):
+        strategy.shard_data(np.zeros((0, 3)), batch_size=8)
