@@ -28,7 +28,7 @@ from typing import Any
 import polyparallel as pp
 
 
-def _worker(rounds: int) -> dict[str, Any]:
+def _worker(strategy: pp.Strategy, rounds: int) -> dict[str, Any]:
     import ignite.distributed as idist
     import torch
     import torch.distributed as dist
@@ -36,7 +36,6 @@ def _worker(rounds: int) -> dict[str, Any]:
     from torch import nn
     from torch.utils.data import TensorDataset
 
-    strategy = pp.Strategy(data=2, timeout=120, batch_size=128)
     ignite = strategy.adapt("ignite")
     torch.manual_seed(0)
     dataset = TensorDataset(torch.randn(4096, 256), torch.randint(0, 10, (4096,)))
@@ -92,7 +91,8 @@ def main() -> None:
     args = parser.parse_args()
     rounds = 3 if args.quick else args.rounds
     start = time.perf_counter()
-    results = pp.launch(_worker, pp.Strategy(data=2), 2, args=(rounds,), timeout=900)
+    strategy = pp.Strategy(data=2, timeout=120, batch_size=128)
+    results = pp.launch(_worker, strategy, 2, args=(strategy, rounds), timeout=900)
     # A step ends when the slowest rank ends it: take the slower rank's median on each side.
     native = max(r["native"]["median_ms"] for r in results)
     ours = max(r["polyparallel"]["median_ms"] for r in results)

@@ -10,8 +10,8 @@ source "$ROOT/tools/env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS=1
 mkdir -p benchmarks/results
-QUICK=(); JAX_QUICK=()
-if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); JAX_QUICK=(--steps 40 --repeats 2); fi
+QUICK=()
+if [ "${1:-}" = "--quick" ]; then QUICK=(--quick); fi
 OUT=benchmarks/results/latest.md
 {
     echo "# polyparallel benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc --all) cores)"
@@ -22,6 +22,6 @@ OUT=benchmarks/results/latest.md
     echo '```'; echo; echo '## Ignite adapter'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_ignite.py "${QUICK[@]}" --json benchmarks/results/ignite.json
     echo '```'; echo; echo '## JAX Model.fit'; echo '```'
-    timeout -k 10 1200 python benchmarks/bench_jax.py "${JAX_QUICK[@]}" --json benchmarks/results/jax.json
+    timeout -k 10 1200 python benchmarks/bench_jax.py "${QUICK[@]}" --json benchmarks/results/jax.json
     echo '```'
 } 2> >(grep -v -e '^W1' -e 'Warning' >&2) | tee "$OUT"

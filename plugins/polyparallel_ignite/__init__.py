@@ -24,8 +24,8 @@ def __getattr__(name: str) -> Any:
     if name in ("IgniteAdapter", "full_output"):
         from . import adapter
         return getattr(adapter, name)
-    if name in ("PipelineModel", "split_sequential"):
-        from . import pipeline
+    if name in ("PipelineModel", "split_sequential"):  # the torch runtime's, re-exported
+        from polyparallel_torch import pipeline
         return getattr(pipeline, name)
     if name == "data_group_world":
         from .metrics import data_group_world

@@ -46,16 +46,12 @@ class IgniteAdapter:
     """A :class:`polyparallel.Strategy` made Ignite-native. Build it with ``strategy.adapt("ignite")``.
 
     :param strategy: the strategy.
-    :param microbatches: GPipe micro-batches per step when ``pipeline > 1``.
+    :param microbatches: GPipe micro-batches per step when ``pipeline > 1``. 1 by default, so
+        that evaluation batches of any size (the short last batch of an uneven shard) run.
     """
 
     def __init__(self, strategy: pp.Strategy, *, microbatches: int = 1):
-        topology = strategy.topology
-        if topology.size("pipeline") > 1 and topology.size("tensor") > 1:
-            raise pp.UnsupportedTopologyError(
-                f"the ignite adapter runs pipeline and tensor parallelism, but not both at once (received "
-                f"{topology!r}); use pipeline=1 or tensor=1."
-            )
+        # pipeline x tensor is refused before this, by the capabilities' `excludes` (adapt()).
         self.strategy = strategy
         self.microbatches = microbatches
         # Before any metric is attached: Metric.attach stores the bound `completed` method.
@@ -118,19 +114,12 @@ class IgniteAdapter:
                                 f"the topology is {self.session.topology!r}.")
             # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set.
             return self.strategy.wrap_model(model, **options)
-        from polyparallel_torch.pipeline import PipelineModel, split_sequential
-
         if options:
             raise TypeError(f"auto_model() with pipeline > 1 takes stages= or boundaries=; received {sorted(options)}.")
-        num_stages = self.session.topology.size("pipeline")
-        if stages is None:
-            stages = split_sequential(model, num_stages, boundaries)
-        elif len(stages) != num_stages:
-            raise pp.TopologyError(f"auto_model(stages=) got {len(stages)} stages for pipeline={num_stages}.")
-        wrapped = PipelineModel(stages[self.session.coords["pipeline"]], self.runtime, self.microbatches)
-        if self.session.topology.size("data") > 1:
-            self.strategy.sync_states(wrapped.stage)  # data replicas of a stage start equal
-        return wrapped
+        # The runtime's pipeline path: the stage, its schedules, replicas broadcast over data.
+        given = {"stages": stages, "split_points": boundaries}
+        return self.strategy.wrap_model(model, microbatches=self.microbatches,
+                                        **{k: v for k, v in given.items() if v is not None})
 
     def auto_optim(self, optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Make ``optimizer.step()`` average gradients over the data group first, where the model's

@@ -48,19 +48,22 @@ def shard_order(n: int, data_size: int, seed: int, epoch: int, shuffle: bool, re
     if remainder == "drop":
         order = order[: n - n % data_size]
     elif remainder == "pad" and n % data_size:
-        order = np.concatenate([order, order[: data_size - n % data_size]])
+        # np.resize repeats the order cyclically, also when n is smaller than the padding needed.
+        order = np.resize(order, n + data_size - n % data_size)
     return [order[d::data_size] for d in range(data_size)]
 
 
 @dataclass(frozen=True)
 class Batch:
     """One global batch: ``data`` (the input's structure, sharded ``P("data")``), ``mask``
-    (float32, 1 for a real sample, 0 for padding added by ``remainder="uneven"``), ``size`` (rows)
-    and ``indices`` (which sample each global row is, host numpy)."""
+    (float32, 1 for a real sample, 0 for padding added by ``remainder="uneven"``), ``size`` (rows),
+    ``count`` (real rows: the global sum of ``mask``, a host int) and ``indices`` (which sample
+    each global row is, host numpy)."""
 
     data: Any
     mask: Any
     size: int
+    count: int  # rows with mask 1 over all data coordinates (size minus the uneven padding)
     indices: np.ndarray  # the sample index of every global row (padding rows included)
 
 
@@ -121,8 +124,10 @@ class ShardedArrays:
                       for a in self._arrays]
             mask = np.concatenate([masks[d][start:stop] for d in local])
             every = np.concatenate([padded[d][start:stop] for d in range(self.runtime.data_size)])
+            count = int(sum(masks[d][start:stop].sum() for d in range(self.runtime.data_size)))
             yield Batch(_unflatten(self._structure, arrays),
-                        jax.make_array_from_process_local_data(sharding, mask, (global_rows,)), global_rows, every)
+                        jax.make_array_from_process_local_data(sharding, mask, (global_rows,)), global_rows,
+                        count, every)
 
     def __repr__(self) -> str:
         return (f"ShardedArrays({self.num_samples} samples, batch_size={self.batch_size} over "

@@ -269,7 +269,7 @@ class Model:
             for i, batch in enumerate(data.batches(epoch)):
                 bx, by = batch.data
                 params, stats, rest, opt_state, metrics = step(params, stats, rest, opt_state, bx, by, batch.mask)
-                results.append((metrics, batch.size))
+                results.append((metrics, batch.count))  # real rows: padding has mask 0
                 if (i + 1) % self.sync_every == 0:
                     if pending is not None:
                         jax.block_until_ready(pending)  # bounds the queue of collective steps
@@ -309,11 +309,12 @@ class Model:
         data = self._data(arrays, batch_size, False, "uneven", None)
         step = self._step(train=False)
         _, params, stats, rest = self._split(train=False)
-        results, outputs = [], []
+        results, counts, outputs = [], [], []
         for i, batch in enumerate(data.batches(0)):
             bx, by = batch.data
             metrics, predictions = step(params, stats, rest, bx, by, batch.mask)
             results.append(metrics)
+            counts.append(batch.count)
             if need_predictions:
                 if not predictions.is_fully_addressable:
                     predictions = multihost_utils.process_allgather(predictions, tiled=True)
@@ -321,7 +322,7 @@ class Model:
             if (i + 1) % self.sync_every == 0:
                 jax.block_until_ready(metrics)
         # Each batch's metrics are exact means over its real rows; weight them by real rows.
-        host = list(zip(jax.device_get(results), self._real_counts(data)))
+        host = list(zip(jax.device_get(results), counts))
         values = _weighted(host)
         if not need_predictions:
             return values, None
@@ -331,13 +332,6 @@ class Model:
                 out = np.zeros((data.num_samples, *predictions.shape[1:]), predictions.dtype)
             out[indices] = predictions  # padding rows repeat a real index with the same value
         return values, out
-
-    @staticmethod
-    def _real_counts(data: ShardedArrays) -> list[int]:
-        shards = data.indices(0)
-        longest = max(len(s) for s in shards)
-        return [sum(max(0, min(len(s), start + data.per_device) - start) for s in shards)
-                for start in range(0, longest, data.per_device)]
 
     # -- state ---------------------------------------------------------------------------------
     def _remainder(self) -> str:
@@ -442,12 +436,18 @@ def _weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:
     return {name: float(sum(float(m[name]) * c for m, c in host) / total) for name in host[0][0]}
 
 
-def _average(stacked: Any) -> Any:
-    import jax
-    import jax.numpy as jnp
+_AVERAGE: Any = None  # the jitted mean, built on first use (jax is imported lazily)
 
-    # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
-    return jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))(stacked)
+
+def _average(stacked: Any) -> Any:
+    global _AVERAGE
+    if _AVERAGE is None:
+        import jax
+        import jax.numpy as jnp
+
+        # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
+        _AVERAGE = jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))
+    return _AVERAGE(stacked)
 
 
 def _gather_host(tree: Any) -> Any:

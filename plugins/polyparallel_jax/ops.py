@@ -315,20 +315,20 @@ def sync_states(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int, st
         return states  # a global array is one value for the whole mesh
     leaves, treedef = jax.tree.flatten(states, is_leaf=is_var)
     acts = jax.tree.leaves(actions)
-    # Arrays spanning several processes are already one global value; only process-local
-    # values (each process's own copy) are combined.
-    local = [_process_local(value_of(leaf)) for leaf in leaves]
-    gathered = _gather_processes([jnp.asarray(value_of(leaf)) if is_local else jnp.zeros(())
-                                  for leaf, is_local in zip(leaves, local)], runtime, "sync_states", rank)
+    # Arrays spanning several processes are already one global value, and ``local`` states stay
+    # as they are: only process-local values (each process's own copy) with a ``mean`` or
+    # ``broadcast`` action are gathered and combined.
+    combine = [i for i, (leaf, action) in enumerate(zip(leaves, acts))
+               if action != "local" and _process_local(value_of(leaf))]
+    if not combine:
+        return states
+    gathered = _gather_processes([jnp.asarray(value_of(leaves[i])) for i in combine], runtime, "sync_states", rank)
     keep = runtime.representative_processes()
     owner = keep[0]  # holds data coordinate 0: processes are laid out in mesh order
-    out = []
-    for leaf, action, stacked, is_local in zip(leaves, acts, gathered, local):
-        if not is_local:
-            pass
-        elif action == "mean":
-            leaf = rebuild(leaf, jnp.mean(stacked[keep], axis=0).astype(stacked.dtype))
-        elif action == "broadcast":
-            leaf = rebuild(leaf, stacked[owner])
-        out.append(leaf)
+    out = list(leaves)
+    for i, stacked in zip(combine, gathered):
+        if acts[i] == "mean":
+            out[i] = rebuild(leaves[i], jnp.mean(stacked[keep], axis=0).astype(stacked.dtype))
+        else:  # broadcast
+            out[i] = rebuild(leaves[i], stacked[owner])
     return jax.tree.unflatten(treedef, out)

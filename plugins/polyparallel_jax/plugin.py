@@ -89,7 +89,7 @@ def polyparallel_process_info(strategy: pp.Strategy) -> pp.ProcessInfo | None:
     return process_info()
 
 
-@pp.hookimpl
+@pp.hookimpl(tryfirst=True)
 def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple,
                         kwargs: dict, timeout: float | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by

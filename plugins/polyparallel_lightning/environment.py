@@ -21,12 +21,9 @@ lives in :class:`EnvironmentMixin`, which imports nothing from Lightning.
 
 from __future__ import annotations
 
-import functools
-import importlib
 import os
-from typing import Any
 
-from .namespaces import NAMESPACES
+from .namespaces import per_namespace_class
 
 __all__ = ["EnvironmentMixin", "environment_class", "launched_externally"]
 
@@ -65,22 +62,7 @@ class EnvironmentMixin:
         """Nothing to undo: the world outlives the Trainer (see the module docstring)."""
 
 
-@functools.cache
-def environment_class(namespace: str) -> type:
-    """The cluster-environment class for a Lightning namespace (``"lightning.pytorch"`` or
-    ``"pytorch_lightning"``), built on first use and cached."""
-    ns = NAMESPACES[namespace]
-    base = importlib.import_module(f"{ns.fabric}.plugins.environments").LightningEnvironment
-    name = f"PolyparallelEnvironment_{ns.suffix}"
-    return type(name, (EnvironmentMixin, base), {
-        "__module__": __name__, "__qualname__": name,
-        "__doc__": f"polyparallel's cluster environment for {ns.pytorch} (see {__name__}).",
-    })
-
-
-def __getattr__(name: str) -> Any:
-    # Pickle finds the per-namespace classes by name (Lightning's spawn launcher pickles the Trainer).
-    for key, ns in NAMESPACES.items():
-        if name == f"PolyparallelEnvironment_{ns.suffix}":
-            return environment_class(key)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: ``environment_class(namespace)``: the cluster-environment class for a Lightning namespace
+#: (``"lightning.pytorch"`` or ``"pytorch_lightning"``), built on first use and cached.
+environment_class, __getattr__ = per_namespace_class(
+    "PolyparallelEnvironment", EnvironmentMixin, "{ns.fabric}.plugins.environments", "LightningEnvironment", __name__)

@@ -17,11 +17,15 @@ Nothing here imports Lightning.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Namespace", "NAMESPACES", "resolve_namespace", "INSTALL_HINT"]
+__all__ = ["Namespace", "NAMESPACES", "resolve_namespace", "per_namespace_class", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install 'polyparallel[lightning]'"
 
@@ -34,13 +38,9 @@ class Namespace:
     pytorch: str
     #: Module of the cluster environments and collectives (``lightning.fabric``).
     fabric: str
-    #: What users import (``import lightning`` / ``import pytorch_lightning``).
+    #: What users import (``import lightning`` / ``import pytorch_lightning``); also the suffix
+    #: of the per-namespace class names (a Python identifier).
     package: str
-
-    @property
-    def suffix(self) -> str:
-        """A Python identifier for class names (``lightning`` / ``pytorch_lightning``)."""
-        return self.package
 
 
 NAMESPACES: dict[str, Namespace] = {
@@ -96,3 +96,34 @@ def resolve_namespace(namespace: str | None = None) -> Namespace:
         "strategy.adapt('lightning') needs PyTorch Lightning, but neither `lightning` nor `pytorch_lightning` "
         f"can be imported. Install it: {INSTALL_HINT}."
     )
+
+
+def per_namespace_class(prefix: str, mixin: type, base_path: str, base_attr: str,
+                        module: str) -> tuple[Callable[[str], type], Callable[[str], Any]]:
+    """A cached factory of ``mixin`` over one Lightning base class per namespace, and the module
+    ``__getattr__`` that lets pickle find the classes by name.
+
+    ``factory(namespace)`` (``"lightning.pytorch"`` or ``"pytorch_lightning"``) imports
+    ``base_path.format(ns=...)`` (e.g. ``"{ns.pytorch}.strategies"``), takes its ``base_attr`` and
+    returns ``type(f"{prefix}_{ns.package}", (mixin, base), ...)`` living in ``module``, built once.
+    Assign the second result to the module's ``__getattr__``: Lightning's spawn launcher pickles
+    the Trainer, and unpickling looks the class up by ``module`` and name.
+    """
+    by_name = {f"{prefix}_{ns.package}": key for key, ns in NAMESPACES.items()}
+
+    @functools.cache
+    def factory(namespace: str) -> type:
+        ns = NAMESPACES[namespace]
+        base = getattr(importlib.import_module(base_path.format(ns=ns)), base_attr)
+        name = f"{prefix}_{ns.package}"
+        return type(name, (mixin, base), {
+            "__module__": module, "__qualname__": name,
+            "__doc__": f"{(mixin.__doc__ or '').rstrip()}\n\n    Over ``{base.__module__}.{base_attr}``, for the ``{ns.pytorch}`` Trainer.",
+        })
+
+    def module_getattr(name: str) -> Any:
+        if name in by_name:
+            return factory(by_name[name])
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return factory, module_getattr

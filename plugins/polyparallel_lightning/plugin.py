@@ -44,7 +44,7 @@ def adapt(strategy: pp.Strategy, namespace: str | None = None, **kwargs: Any) ->
     ns = resolve_namespace(namespace)  # before importing torch or Lightning: a missing one fails fast
     from .strategy import make_strategy
 
-    return make_strategy(strategy, ns.pytorch, **kwargs)
+    return make_strategy(strategy, ns, **kwargs)
 
 
 @hookimpl

@@ -47,14 +47,13 @@ import polyparallel as pp
 
 from . import checkpoint
 from .environment import environment_class, launched_externally
-from .namespaces import NAMESPACES, resolve_namespace
+from .namespaces import NAMESPACES, Namespace, per_namespace_class
 
 __all__ = ["StrategyMixin", "strategy_class", "make_strategy"]
 
 #: Keyword arguments that come from the polyparallel Strategy, not from the adapter's caller.
 _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environment)",
                   "process_group_backend": "Strategy(backend=...)", "timeout": "Strategy(timeout=...)"}
-_STATE_SYNC_WHEN = frozenset({"validation", "test", "predict", "checkpoint"})
 
 
 class StrategyMixin:
@@ -238,6 +237,11 @@ class StrategyMixin:
         if trainer.state.fn == "fit":
             super().setup(trainer)  # type: ignore[misc]
         else:
+            # Lightning's DDPStrategy.setup for validate/test/predict, minus its
+            # `_sync_module_states(self.model)`: that broadcasts every parameter and buffer from world
+            # rank 0, which would overwrite tensor-parallel shards and bypass the StatePolicy
+            # (`sync_states` runs at validation/test/predict start instead); plus the tensor plan.
+            # A near copy of Lightning's branch: re-check it against DDPStrategy.setup on upgrades.
             self.accelerator.setup(trainer)  # type: ignore[attr-defined]
             self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
             self.model_to_device()  # type: ignore[attr-defined]
@@ -389,55 +393,46 @@ class StrategyMixin:
         return trainer is None or trainer.state.stage == "train"
 
 
-def _op_name(reduce_op: Any) -> str:
-    """Lightning's ``reduce_op`` (``"mean"``, ``"sum"``, a ``ReduceOp``...) as the runtime's op name."""
-    import torch.distributed as dist
-
-    if reduce_op is None:
-        return "sum"
-    if isinstance(reduce_op, str):
-        name = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}.get(reduce_op.lower())
-        if name:
-            return name
-    else:
-        for name, op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN),
-                         ("avg", dist.ReduceOp.AVG)):
-            if reduce_op == op:
-                return name
-    raise ValueError(f"reduce(): unsupported reduce_op {reduce_op!r}; expected 'mean', 'sum', 'max', 'min' "
-                     "or the matching torch.distributed.ReduceOp.")
+#: Lightning's ``reduce_op`` strings as the runtime's op names.
+_OP_NAMES = {"mean": "avg", "avg": "avg", "sum": "sum", "max": "max", "min": "min"}
 
 
 @functools.cache
-def strategy_class(namespace: str) -> type:
-    """The Lightning strategy class for a namespace (``"lightning.pytorch"`` or
-    ``"pytorch_lightning"``): :class:`StrategyMixin` over that namespace's ``DDPStrategy``;
-    built on first use and cached."""
-    ns = NAMESPACES[namespace]
-    base = importlib.import_module(f"{ns.pytorch}.strategies").DDPStrategy
-    name = f"PolyparallelStrategy_{ns.suffix}"
-    return type(name, (StrategyMixin, base), {
-        "__module__": __name__, "__qualname__": name,
-        "__doc__": f"{StrategyMixin.__doc__}\n\n    For the ``{ns.pytorch}`` Trainer.",
-    })
+def _reduce_ops() -> tuple[tuple[Any, str], ...]:
+    """``torch.distributed.ReduceOp`` members and their op names (built on first use)."""
+    import torch.distributed as dist
+
+    return ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"),
+            (dist.ReduceOp.AVG, "avg"))
 
 
-def make_strategy(strategy: pp.Strategy, namespace: str | None = None, plan: Any = None, **kwargs: Any) -> Any:
+def _op_name(reduce_op: Any) -> str:
+    """Lightning's ``reduce_op`` (``"mean"``, ``"sum"``, a ``ReduceOp``...) as the runtime's op name."""
+    if reduce_op is None:
+        return "sum"
+    if isinstance(reduce_op, str):
+        name = _OP_NAMES.get(reduce_op.lower())
+    else:
+        name = next((name for op, name in _reduce_ops() if reduce_op == op), None)
+    if name is None:
+        raise ValueError(f"reduce(): unsupported reduce_op {reduce_op!r}; expected 'mean', 'sum', 'max', 'min' "
+                         "or the matching torch.distributed.ReduceOp.")
+    return name
+
+
+#: ``strategy_class(namespace)``: the Lightning strategy class for a namespace
+#: (``"lightning.pytorch"`` or ``"pytorch_lightning"``): :class:`StrategyMixin` over that namespace's
+#: ``DDPStrategy``; built on first use and cached.
+strategy_class, __getattr__ = per_namespace_class(
+    "PolyparallelStrategy", StrategyMixin, "{ns.pytorch}.strategies", "DDPStrategy", __name__)
+
+
+def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None, **kwargs: Any) -> Any:
     """The ``lightning`` adapter: ``strategy.adapt("lightning", namespace=None, plan=None, **kwargs)``.
 
-    :param namespace: which Lightning's Trainer will receive it (see
-        :func:`~polyparallel_lightning.namespaces.resolve_namespace` for the automatic rule).
+    :param namespace: which Lightning's Trainer will receive it, already resolved by
+        :func:`~polyparallel_lightning.namespaces.resolve_namespace` (see it for the automatic rule).
     :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
     :param kwargs: passed to Lightning's ``DDPStrategy`` (``start_method=``, ``find_unused_parameters=``...).
-    :raises ImportError: Lightning is not installed (names the extra to install).
     """
-    ns = resolve_namespace(namespace)
-    return strategy_class(ns.pytorch)(strategy, namespace=ns.pytorch, plan=plan, **kwargs)
-
-
-def __getattr__(name: str) -> Any:
-    # Pickle finds the per-namespace classes by name (Lightning's spawn launcher pickles the Trainer).
-    for key, ns in NAMESPACES.items():
-        if name == f"PolyparallelStrategy_{ns.suffix}":
-            return strategy_class(key)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return strategy_class(namespace.pytorch)(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)

@@ -112,12 +112,7 @@ class _IndexedDataset(torch.utils.data.Dataset):
 
 
 def _floating_states(module: nn.Module) -> dict[str, list[float]]:
-    out = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.is_floating_point():
-            out[name] = t.detach().reshape(-1).double().tolist()
-    return out
+    return {name: t.detach().reshape(-1).double().tolist() for name, t in torch_testing.local_states(module)}
 
 
 class LightningDriver(ConformanceDriver):

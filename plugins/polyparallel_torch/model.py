@@ -27,7 +27,7 @@ import polyparallel as pp
 
 from .runtime import TorchRuntime
 
-__all__ = ["default_plan", "validate", "wrap_module", "is_ddp", "unwrap", "full_state"]
+__all__ = ["default_plan", "validate", "wrap_module", "is_ddp", "unwrap", "full_state", "broadcast_over_data"]
 
 
 def is_ddp(model: Any) -> bool:
@@ -65,6 +65,8 @@ def default_plan(model: nn.Module) -> dict[str, Any]:
 
 
 def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
     names = dict(model.named_modules())
     for path, style in plan.items():
         if path not in names and not any(ch in path for ch in "*?["):
@@ -75,7 +77,7 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
             )
         module = names.get(path)
         if isinstance(module, nn.Linear):
-            dim = module.out_features if type(style).__name__ == "ColwiseParallel" else module.in_features
+            dim = module.out_features if isinstance(style, ColwiseParallel) else module.in_features
             if dim % tensor_size:
                 raise pp.TopologyError(
                     f"{path!r} ({module}) cannot be split {type(style).__name__}-wise over tensor={tensor_size}: "
@@ -86,10 +88,10 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
 def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -> dict[str, Any]:
     """Check the options and the plan against the model *before* any process group exists;
     return the options with the tensor plan resolved (the default plan when none is given)."""
-    unknown = set(options) - {"plan", "ddp_kwargs", "loss_fn", "microbatches", "split_points"}
+    unknown = set(options) - {"plan", "ddp_kwargs", "loss_fn", "microbatches", "split_points", "stages"}
     if unknown:
         raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=, "
-                        "and for pipeline>1 loss_fn=, microbatches=, split_points=.")
+                        "and for pipeline>1 loss_fn=, microbatches=, split_points= or stages=.")
     if is_ddp(model):
         raise TypeError("wrap_model() got a model that is already DistributedDataParallel; pass the bare module.")
     if topology.size("pipeline") > 1:
@@ -119,7 +121,7 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> 
         model = parallelize_module(model, rt.submesh("tensor"), options["plan"])
     # A plan with tensor=1 is legal (the same script runs on any topology): nothing to shard.
     if topology.size("data") > 1 and topology.size("tensor") > 1:
-        _broadcast_over_data(model, rt)
+        broadcast_over_data(model, rt)
     elif topology.size("data") > 1:
         kwargs = dict(options.get("ddp_kwargs") or {})
         if rt.device.type == "cuda":
@@ -135,21 +137,13 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> 
     return model
 
 
-def _broadcast_over_data(model: nn.Module, rt: TorchRuntime) -> None:
+def broadcast_over_data(model: nn.Module, rt: TorchRuntime) -> None:
     """Make data replicas start equal (what DDP does at construction): parameters and buffers
     from data rank 0, shard by shard."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from .states import apply_in_buckets
 
-    tensors = [t.to_local() if hasattr(t, "to_local") else t
-               for t in [*model.parameters(), *model.buffers()]]
-    with torch.no_grad():
-        # A sorted order: iterating a set of dtypes differs between processes (hash of id).
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            group = [t.data for t in tensors if t.dtype == dtype]
-            flat = _flatten_dense_tensors(group)
-            rt.broadcast(flat, "wrap_model (parameter broadcast)", "data")
-            for t, synced in zip(group, _unflatten_dense_tensors(flat, group)):
-                t.copy_(synced)
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+    apply_in_buckets([t.data for t in tensors], "broadcast", rt, "wrap_model (parameter broadcast)")
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -175,11 +175,26 @@ def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str
     loss_fn = options.get("loss_fn")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable(output, target). Received: {loss_fn!r}.")
+    given = options.get("stages")
+    if given is not None:
+        if options.get("split_points") is not None:
+            raise TypeError("wrap_model() takes stages= or split_points=, not both.")
+        if len(given) != stages or not all(isinstance(m, nn.Module) for m in given):
+            raise pp.TopologyError(f"stages= must be {stages} modules, one per pipeline stage. Received: {given!r}.")
+        return
     split_sequential(model, stages, options.get("split_points"))
 
 
-def wrap_pipeline(model: nn.Sequential, runtime: Any, options: dict[str, Any]) -> PipelineModel:
-    """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`)."""
-    stages = split_sequential(model, runtime.topology.size("pipeline"), options.get("split_points"))
-    return PipelineModel(stages[runtime.session.coords["pipeline"]], runtime,
-                         options.get("microbatches", runtime.topology.size("pipeline")), options.get("loss_fn"))
+def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any]) -> PipelineModel:
+    """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`):
+    the stage cut from ``model`` (or taken from ``stages=``), its parameters broadcast over the
+    data group so that the replicas of a stage start equal, as DDP does at construction."""
+    from .model import broadcast_over_data
+
+    topology = runtime.topology
+    stages = options.get("stages") or split_sequential(model, topology.size("pipeline"), options.get("split_points"))
+    wrapped = PipelineModel(stages[runtime.session.coords["pipeline"]], runtime,
+                            options.get("microbatches", topology.size("pipeline")), options.get("loss_fn"))
+    if topology.size("data") > 1:
+        broadcast_over_data(wrapped.stage, runtime)
+    return wrapped

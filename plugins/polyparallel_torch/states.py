@@ -13,7 +13,7 @@ from .grads import buckets
 from .model import unwrap
 from .runtime import TorchRuntime
 
-__all__ = ["sync", "named_states"]
+__all__ = ["sync", "named_states", "apply_in_buckets"]
 
 
 def named_states(states: Any) -> list[tuple[str, torch.Tensor]]:
@@ -40,15 +40,20 @@ def sync(states: Any, rt: TorchRuntime) -> Any:
         if action == "mean" and not local.is_floating_point():
             continue  # an integer counter cannot be averaged; leave it alone
         groups[action].append(local.data)
-    bucket_bytes = rt.strategy.grad_policy.bucket_bytes()
-    with torch.no_grad():
-        for action, tensors in groups.items():
-            for bucket in buckets(tensors, bucket_bytes):
-                flat = _flatten_dense_tensors(bucket)
-                if action == "mean":
-                    rt.all_reduce(flat, "avg", "sync_states", "data")
-                else:
-                    rt.broadcast(flat, "sync_states", "data")
-                for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    t.copy_(synced)
+    for action, tensors in groups.items():
+        apply_in_buckets(tensors, action, rt, "sync_states")
     return states
+
+
+def apply_in_buckets(tensors: list[torch.Tensor], action: str, rt: TorchRuntime, operation: str) -> None:
+    """``mean`` (average) or ``broadcast`` (from data rank 0) ``tensors`` over the data group in
+    place, packed into flat buckets of one dtype (in a deterministic order on every rank)."""
+    with torch.no_grad():
+        for bucket in buckets(tensors, rt.strategy.grad_policy.bucket_bytes()):
+            flat = _flatten_dense_tensors(bucket)
+            if action == "mean":
+                rt.all_reduce(flat, "avg", operation, "data")
+            else:
+                rt.broadcast(flat, operation, "data")
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(synced)

@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 import polyparallel as pp
 from polyparallel.testing import ConformanceDriver, reference_data
 
+from .data import TopologySampler
 from .model import full_state, unwrap
 
 __all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference",
@@ -52,14 +53,12 @@ def flat_params(model: nn.Module) -> dict[str, list[float]]:
 
 
 def global_batches(n: int, global_batch: int, steps: int, seed: int) -> list[list[int]]:
-    """The sample indices of each global batch, as the data axis splits them: the epoch
-    permutation of ``TopologySampler`` padded to a multiple of the data size."""
-    g = torch.Generator()
+    """The sample indices of each full global batch, in the epoch order of ``TopologySampler``
+    (the data axis then strides each batch: replica r gets positions r, r+d, ...)."""
     batches: list[list[int]] = []
     epoch = 0
     while len(batches) < steps:
-        g.manual_seed(seed + epoch)
-        order = torch.randperm(n, generator=g).tolist()
+        order = TopologySampler(n, 0, 1, seed=seed).indices(epoch)
         batches += [order[i:i + global_batch] for i in range(0, n - n % global_batch, global_batch)]
         epoch += 1
     return batches[:steps]

@@ -26,11 +26,18 @@ def test_adapter_registered_with_capabilities():
 
 
 def test_demo_entry_registered():
-    from polyparallel_ignite import plugin
+    from polyparallel_ignite.demo import run_demo
 
-    names = []
-    plugin.polyparallel_register_demos(register=lambda name, run: names.append((name, run)))
-    assert ("ignite", __import__("polyparallel_ignite.demo", fromlist=["run_demo"]).run_demo) in names
+    entries = {}
+    pp.get_plugin_manager().call("polyparallel_register_demos", register=entries.__setitem__)
+    assert entries["ignite"] is run_demo
+
+
+def test_every_public_name_resolves():
+    import polyparallel_ignite
+
+    for name in polyparallel_ignite.__all__:
+        assert getattr(polyparallel_ignite, name) is not None, name
 
 
 def test_auto_model_rejects_pipeline_options_without_a_pipeline():

@@ -36,6 +36,12 @@ def test_pad_repeats_the_first_samples_of_the_order_so_shards_are_equal():
     assert repeated == sorted(order[:3].tolist())  # 40 - 37 = 3 padding samples
 
 
+def test_pad_with_fewer_samples_than_the_padding_needed_still_gives_equal_shards():
+    shards = shard_order(3, 8, seed=0, epoch=0, shuffle=True, remainder="pad")
+    assert len(shards) == 8 and {len(s) for s in shards} == {1}
+    assert set(np.concatenate(shards).tolist()) == {0, 1, 2}
+
+
 def test_drop_drops_the_tail_and_keeps_shards_disjoint():
     shards = shard_order(37, 8, seed=0, epoch=0, shuffle=True, remainder="drop")
     order = np.random.default_rng([0, 0]).permutation(37)
@@ -113,6 +119,7 @@ def test_uneven_masks_count_every_sample_exactly_once(jax_strategy):
     real = np.concatenate([b.indices[np.asarray(b.mask) == 1] for b in batches])
     assert sorted(real.tolist()) == list(range(37))
     assert sum(float(np.asarray(b.mask).sum()) for b in batches) == 37
+    assert [b.count for b in batches] == [int(np.asarray(b.mask).sum()) for b in batches]
     for b in batches:  # every row, padding included, holds the sample its index names
         np.testing.assert_array_equal(np.asarray(b.data)[:, 0], b.indices.astype(np.float32))
 

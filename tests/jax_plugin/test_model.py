@@ -39,6 +39,19 @@ def test_history_and_evaluate_match_single_device(jax_strategy):
     assert mu.sharding.spec == kernel.sharding.spec, "Adam's moments must be sharded like the parameter"
 
 
+def test_uneven_fit_history_weights_batches_by_real_rows(jax_strategy):
+    # lr=0 and no BatchNorm: the model is the same function at every step, so the epoch's loss
+    # must equal evaluate() on the same data; weighting batches by rows including the mask-0
+    # padding of remainder="uneven" (37 samples over data=8) makes them differ.
+    x, y = dataset(37)
+    model = Model(small_mlp(batch_norm=False), optimizer=optax.sgd(0.0), metrics=["accuracy"])
+    strategy = jax_strategy(data=8, data_policy=pp.DataPolicy(remainder="uneven"))
+    history = model.fit(x, y, epochs=1, batch_size=16, strategy=strategy, verbose=0)
+    evaluated = model.evaluate(x, y, batch_size=16)
+    assert history["loss"][0] == pytest.approx(evaluated["loss"], abs=1e-6)
+    assert history["accuracy"][0] == pytest.approx(evaluated["accuracy"], abs=1e-6)
+
+
 def test_local_batch_stats_differ_and_eval_sync_recovers_global(jax_strategy):
     # lr=0: parameters stay fixed, so the single-device running mean is the EMA of global batch
     # means, which the average of per-device EMAs of local batch means must equal exactly.

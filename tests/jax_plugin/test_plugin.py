@@ -47,3 +47,32 @@ def test_discovered_through_polyparallel_plugins_env(monkeypatch):
     assert "jax" in pm.capabilities()
     data = pp.Strategy(data=-1, batch_size=16, plugin_manager=pm).shard_data(np.arange(40.0))
     assert data.runtime.data_size == 8 and len(data) == 3
+
+
+@pytest.mark.parametrize("torch_first", [True, False], ids=["torch-registered-first", "jax-registered-first"])
+def test_jax_launch_hook_runs_before_the_torch_launcher(monkeypatch, torch_first):
+    # The torch plugin's launch accepts every strategy, so a JAX strategy reaches the JAX
+    # launcher only if its hook is called first, whatever the registration order.
+    import types
+
+    import polyparallel_jax.launch
+    import polyparallel_jax.plugin
+    import polyparallel_torch.plugin
+
+    pm = pp.PluginManager(autoload=False)
+    plugins = [(polyparallel_torch.plugin, "torch"), (polyparallel_jax.plugin, "jax")]
+    for module, name in plugins if torch_first else plugins[::-1]:
+        pm.register(module, name=name)
+    impls = pm.hook.polyparallel_launch.get_hookimpls()
+    assert impls[-1].plugin is polyparallel_jax.plugin  # pluggy calls the last one first
+    calls = []
+
+    def torch_launch(*args, **kwargs):
+        raise AssertionError("the torch launcher was called for a JAX strategy")
+
+    monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(launch_function=torch_launch))
+    monkeypatch.setattr(polyparallel_jax.launch, "launch_processes",
+                        lambda fn, nprocs, **kwargs: calls.append((fn, nprocs)) or ["jax"] * nprocs)
+    strategy = pp.Strategy(data=2, backend="jax", plugin_manager=pm)
+    assert pp.launch(print, strategy, nprocs=2) == ["jax", "jax"]
+    assert calls == [(print, 2)]

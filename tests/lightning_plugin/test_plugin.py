@@ -107,6 +107,19 @@ def test_topology_that_does_not_fit_the_trainer_is_refused_at_construction(monke
         L.Trainer(strategy=adapter, accelerator="cpu", devices=2, logger=False)
 
 
+def test_sync_batchnorm_with_tensor_replicas_is_refused_at_setup(monkeypatch):
+    import lightning.pytorch as L
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    adapter = pp.Strategy(data=1, tensor=2).adapt("lightning", namespace="lightning.pytorch")
+    trainer = L.Trainer(strategy=adapter, accelerator="cpu", devices=2, sync_batchnorm=True, logger=False)
+    # The refusal is the first thing setup() does: no process is launched, no group is made.
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"sync_batchnorm=True\) .*tensor=2\)\. Use sync_batchnorm=False"):
+        adapter.setup(trainer)
+    assert torch.distributed.is_initialized() is False
+
+
 def test_arguments_the_strategy_decides_are_refused():
     with pytest.raises(TypeError, match=r"timeout comes from Strategy\(timeout=...\)"):
         pp.Strategy(data=1).adapt("lightning", namespace="lightning.pytorch", timeout=5)
