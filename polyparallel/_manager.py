@@ -83,6 +83,8 @@ class PluginManager:
         self._adapters: dict[str, Adapter] | None = None
         self._sessions: dict[Strategy, Session] = {}
         self._callers: dict[str, Any] = {}
+        # Resources shared by sessions (process groups): key -> [value, references, release].
+        self._shared: dict[Any, list[Any]] = {}
         self._atexit_registered = False
         self.register(_CorePlugin(), name="polyparallel.core")
 
@@ -299,6 +301,25 @@ class PluginManager:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+    def _acquire_shared(self, key: Any, factory: Callable[[], Any], release: Callable[[Any], None]) -> Any:
+        with self._lock:
+            entry = self._shared.get(key)
+            if entry is None:
+                entry = self._shared[key] = [factory(), 0, release]
+            entry[1] += 1
+            return entry[0]
+
+    def _release_shared(self, key: Any) -> None:
+        with self._lock:
+            entry = self._shared.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del self._shared[key]
+        entry[2](entry[0])
 
     def _forget_session(self, session: Session) -> None:
         if self._sessions.get(session.strategy) is session:

@@ -67,6 +67,7 @@ class Session:
         self.roles: frozenset[str] = self.topology.roles(info.rank)
         self._stash: dict[Any, Any] = {}
         self._finalizers: list[Callable[[], None]] = []
+        self._acquired: dict[Any, Any] = {}
         self.closed = False
 
     @property
@@ -95,6 +96,22 @@ class Session:
         """The object stored under ``key`` or ``default``, without creating it."""
         return self._stash.get(key, default)
 
+    def acquire(self, key: Any, factory: Callable[[], T], release: Callable[[T], None]) -> T:
+        """A per-process resource shared by every session that asks for the same ``key``.
+
+        Process groups belong to the process, not to one strategy: two strategies that differ only
+        in a policy or a seed (``strategy.replace(seed=1)``) must use the same groups, or a rank
+        that builds one of them alone would wait in group creation for peers that never come.
+        The first session to ask creates the resource with ``factory()``; each session holds one
+        reference until it closes, and the last reference calls ``release(resource)``.
+        """
+        if key in self._acquired:
+            return self._acquired[key]
+        value = self.manager._acquire_shared(key, factory, release)
+        self._acquired[key] = value
+        self.add_finalizer(lambda: self.manager._release_shared(key))
+        return value
+
     def add_finalizer(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` when the session closes (last added, first called)."""
         self._finalizers.append(fn)
@@ -115,6 +132,7 @@ class Session:
                 except Exception as exc:  # keep tearing down the rest
                     errors.append(exc)
             self._stash.clear()
+            self._acquired.clear()
             self.manager._forget_session(self)
             if errors:
                 raise errors[0]

@@ -189,3 +189,28 @@ def test_close_sessions_closes_all_even_if_one_fails(manager):
     with pytest.raises(ZeroDivisionError):
         manager.close_sessions()
     assert first.closed and second.closed and manager.sessions() == []
+
+
+# -- resources shared between sessions (process groups) ------------------------------------------------
+
+
+def test_acquire_shares_one_resource_between_sessions_and_releases_with_the_last(manager):
+    made, released = [], []
+
+    def factory():
+        made.append(object())
+        return made[-1]
+
+    a = Strategy(data=1, plugin_manager=manager).session()
+    b = Strategy(data=1, seed=1, plugin_manager=manager).session()
+    assert a is not b
+    first = a.acquire("groups", factory, released.append)
+    assert a.acquire("groups", factory, released.append) is first  # once per session
+    assert b.acquire("groups", factory, released.append) is first  # shared, not made again
+    assert len(made) == 1
+    a.close()
+    assert released == []  # b still holds it
+    b.close()
+    assert released == [first]
+    c = Strategy(data=1, plugin_manager=manager).session()
+    assert c.acquire("groups", factory, released.append) is not first  # made afresh after release
