@@ -22,6 +22,7 @@ from ._launch import launch
 from ._manager import PluginManager, get_plugin_manager, hookimpl
 from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
 from ._session import ProcessInfo, Session
+from ._sharding import shard_indices, shard_length
 from ._strategy import Strategy
 from ._topology import AXES, Topology
 from .hookspecs import hookspec
@@ -53,4 +54,6 @@ __all__ = [
     "hookimpl",
     "hookspec",
     "launch",
+    "shard_indices",
+    "shard_length",
 ]

@@ -29,9 +29,13 @@ class DataPolicy:
     """How ``shard_data`` splits data over the data axis.
 
     :param batch_size: the *global* batch size (summed over data-parallel ranks); each data rank
-        gets ``batch_size // data`` samples a step. ``None`` keeps the loader's own batch size as
-        the per-rank size.
-    :param shuffle: reshuffle every epoch, deterministically from ``(seed, epoch)``.
+        gets ``batch_size // data`` samples a step. ``None`` keeps a loader's own ``batch_size`` as
+        the *per-rank* size (a data set without a loader then needs one).
+    :param shuffle: ``True`` reshuffles every epoch, deterministically from ``(seed, epoch)``
+        (:func:`polyparallel.shard_indices`); ``False`` keeps the data set's order. ``None`` (the
+        default) inherits: a loader keeps its own choice (``shuffle=True``, i.e. a
+        ``RandomSampler``, shuffles; ``shuffle=False``, a ``SequentialSampler``, does not), and
+        data without a loader is shuffled. See :meth:`shuffles`.
     :param remainder: when the data set does not divide over the data axis: ``"pad"`` repeats
         samples so every rank gets the same count (training; DistributedSampler's default),
         ``"drop"`` drops the tail, ``"uneven"`` gives each sample exactly once (evaluation: exact
@@ -39,7 +43,7 @@ class DataPolicy:
     """
 
     batch_size: int | None = None
-    shuffle: bool = True
+    shuffle: bool | None = None
     remainder: str = "pad"
 
     def __post_init__(self) -> None:
@@ -48,6 +52,20 @@ class DataPolicy:
             isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1
         ):
             raise ValueError(f"DataPolicy.batch_size must be a positive int or None. Received: {self.batch_size!r}.")
+        if self.shuffle is not None and not isinstance(self.shuffle, bool):
+            raise ValueError(f"DataPolicy.shuffle must be True, False or None (inherit the loader's choice). "
+                             f"Received: {self.shuffle!r}.")
+
+    def shuffles(self, inherited: bool | None = None) -> bool:
+        """Whether to shuffle: :attr:`shuffle` when set, else ``inherited`` (what the user's loader
+        does; ``None`` when the data came without one), else ``True``.
+
+        >>> DataPolicy().shuffles(False), DataPolicy().shuffles(), DataPolicy(shuffle=False).shuffles(True)
+        (False, True, False)
+        """
+        if self.shuffle is not None:
+            return self.shuffle
+        return True if inherited is None else inherited
 
 
 @dataclass(frozen=True)

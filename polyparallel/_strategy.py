@@ -184,6 +184,23 @@ class Strategy:
 
         Keyword arguments override fields of :attr:`data_policy` for this call
         (``batch_size=``, ``shuffle=``, ``remainder=``).
+
+        Every plugin splits with :func:`polyparallel.shard_indices`: data coordinate ``d`` gets
+        ``order[d::data]`` of an order fixed by ``(seed, epoch)``; tensor/pipeline replicas get
+        the same samples.
+
+        Batch size: a loader's own ``batch_size`` is *per rank* unless the Strategy (or this
+        call) sets ``batch_size``, which is *global* (summed over the data axis, so each data
+        rank gets ``batch_size // data``); a data set without a loader needs the global one.
+
+        Shuffling: ``shuffle=None`` (the default) keeps a loader's choice (``shuffle=True`` /
+        a ``RandomSampler`` shuffles, ``shuffle=False`` / a ``SequentialSampler`` keeps the
+        order) and shuffles a data set given without a loader; ``True``/``False`` decide. A
+        sampler whose meaning a shard cannot keep (weighted, with replacement, a subset, a
+        custom ``Sampler`` or ``batch_sampler``) is refused, never silently replaced.
+
+        Epochs: the torch sampler advances its epoch only after a full pass, or follows
+        ``sampler.set_epoch(e)``, so a rank that peeks at a batch stays in step with its replicas.
         """
         policy = dataclasses.replace(self.data_policy, **overrides) if overrides else self.data_policy
         return self._dispatch("shard_data", data, data=data, policy=policy)

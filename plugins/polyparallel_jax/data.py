@@ -1,7 +1,8 @@
 """Host data -> globally sharded batches over the ``data`` axis.
 
 Every data coordinate gets the strided shard ``order[d::data]`` of a permutation seeded by
-``(seed, epoch)``; devices that share a data coordinate (``tensor``/``pipeline`` replicas) get the
+``(seed, epoch)`` (:func:`polyparallel.shard_indices`, the same computation as every other
+runtime's); devices that share a data coordinate (``tensor``/``pipeline`` replicas) get the
 same rows because the batch sharding is ``P("data")`` (replicated along the other axes). Global
 batch ``i`` is exactly ``order[i*B:(i+1)*B]``, the batch a single device would see with the same
 global batch size ``B`` and seed: this is what makes distributed training equal single-device
@@ -39,18 +40,14 @@ def is_host_data(data: Any) -> bool:
 
 
 def shard_order(n: int, data_size: int, seed: int, epoch: int, shuffle: bool, remainder: str) -> list[np.ndarray]:
-    """The sample indices of each data coordinate for one epoch.
+    """The sample indices of each data coordinate for one epoch: :func:`polyparallel.shard_indices`
+    of every coordinate (the computation every runtime shares), as numpy arrays.
 
-    ``pad`` repeats the first samples of the order so every shard has the same length; ``drop``
-    drops the tail; ``uneven`` gives each sample exactly once (shard lengths differ by <= 1).
+    ``pad`` repeats samples from the start of the order so every shard has the same length;
+    ``drop`` drops the tail; ``uneven`` gives each sample exactly once (shard lengths differ by <= 1).
     """
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-    if remainder == "drop":
-        order = order[: n - n % data_size]
-    elif remainder == "pad" and n % data_size:
-        # np.resize repeats the order cyclically, also when n is smaller than the padding needed.
-        order = np.resize(order, n + data_size - n % data_size)
-    return [order[d::data_size] for d in range(data_size)]
+    return [np.asarray(pp.shard_indices(n, d, data_size, seed=seed, epoch=epoch, shuffle=shuffle, remainder=remainder),
+                       dtype=np.int64) for d in range(data_size)]
 
 
 @dataclass(frozen=True)
@@ -71,6 +68,11 @@ class ShardedArrays:
     """Host arrays sharded over the data axis of a JAX mesh (what ``Strategy.shard_data`` returns
     for numpy input). Iterate :meth:`batches` per epoch; :meth:`indices` tells which samples each
     data coordinate holds.
+
+    The epoch is always explicit (``batches(epoch)``): nothing advances by itself, so looking at a
+    batch never changes what a later epoch holds. Host arrays have no loader to inherit a shuffle
+    choice from: ``DataPolicy(shuffle=None)`` (the default) shuffles, ``shuffle=False`` keeps
+    the order.
     """
 
     def __init__(self, data: Any, runtime: JaxRuntime, policy: pp.DataPolicy, seed: int):
@@ -103,7 +105,7 @@ class ShardedArrays:
         """Per data coordinate, the sample indices it trains on in ``epoch`` (no padding of
         ``uneven`` included)."""
         return shard_order(self.num_samples, self.runtime.data_size, self.seed, epoch,
-                           self.policy.shuffle, self.policy.remainder)
+                           self.policy.shuffles(), self.policy.remainder)
 
     def batches(self, epoch: int = 0) -> Iterator[Batch]:
         """The global batches of ``epoch``, as ``jax.Array``s sharded over the data axis."""

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler,
+                              SequentialSampler)
 
 import polyparallel as pp
 
@@ -15,61 +15,62 @@ __all__ = ["TopologySampler", "shard_loader"]
 
 
 class TopologySampler(Sampler[int]):
-    """Indices of one data-parallel shard.
+    """Indices of one data-parallel shard: :func:`polyparallel.shard_indices` for each epoch.
 
     Ranks that share a data coordinate (tensor/pipeline replicas) get the same indices; different
-    data coordinates get disjoint ones. Order is a permutation seeded by ``(seed, epoch)``, the
-    same on every rank (``torch.randperm`` with a seeded generator, as DistributedSampler does).
+    data coordinates get disjoint ones. With ``shuffle``, the order is a permutation determined by
+    ``(seed, epoch)`` alone, the same on every rank and in a single-process reference.
 
-    The epoch advances by itself: each ``iter()`` uses the current epoch and moves to the next,
-    so a plain ``for epoch in ...: for batch in loader`` loop reshuffles. ``set_epoch(e)`` (what
-    Lightning and Ignite call) pins the epoch for the next iteration instead.
+    The epoch is explicit state, so that replicas never drift apart:
 
-    :param remainder: ``pad`` (repeat the first samples so every shard has the same length),
-        ``drop`` (drop the tail), ``uneven`` (every sample exactly once; shard lengths differ by
-        at most one — for evaluation).
+    - ``set_epoch(e)`` (what Lightning's and Ignite's loops call, as for ``DistributedSampler``)
+      pins the epoch: every later iteration uses ``e`` until the next ``set_epoch``;
+    - until then, the epoch advances only when an iteration has run to its end (a full pass), so a
+      plain ``for epoch in ...: for batch in loader`` loop reshuffles each epoch, while a peek
+      (``next(iter(loader))`` in a logger) or an abandoned pass leaves it where it was: a rank
+      that peeks still feeds its replicas the same batches afterwards.
+
+    With ``num_workers > 0`` the loader draws indices ahead of the batches it hands out, so a
+    peek at a loader whose whole epoch fits in its prefetch window counts as a full pass; call
+    ``set_epoch`` in such loops.
+
+    :param remainder: ``pad`` (repeat samples from the start of the order so every shard has the
+        same length), ``drop`` (drop the tail), ``uneven`` (every sample exactly once; shard
+        lengths differ by at most one — for evaluation).
     """
 
     def __init__(self, dataset_len: int, data_rank: int, data_size: int, *, seed: int = 0,
                  shuffle: bool = True, remainder: str = "pad"):
-        if not 0 <= data_rank < data_size:
-            raise ValueError(f"data_rank {data_rank} out of range for data_size {data_size}")
+        # shard_length validates the split now, not at the first iteration.
+        self._len = pp.shard_length(dataset_len, data_rank, data_size, remainder)
         self.dataset_len, self.data_rank, self.data_size = dataset_len, data_rank, data_size
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch = 0
+        self.pinned = False  # True once set_epoch was called: the epoch no longer advances by itself
 
     def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch`` for the next iteration (deterministic shuffling from (seed, epoch))."""
-        self.epoch = epoch
+        """Use ``epoch`` for every iteration from now on (deterministic shuffling from (seed, epoch));
+        the epoch no longer advances by itself."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch() takes an int >= 0. Received: {epoch!r}.")
+        self.epoch, self.pinned = epoch, True
 
     def indices(self, epoch: int) -> list[int]:
         """This shard's indices for ``epoch``."""
-        n = self.dataset_len
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        if self.remainder == "drop":
-            order = order[: n - n % self.data_size]
-        elif self.remainder == "pad" and n % self.data_size:
-            pad = self.data_size - n % self.data_size
-            order += (order * math.ceil(pad / max(n, 1)))[:pad]
-        return order[self.data_rank :: self.data_size]
+        return pp.shard_indices(self.dataset_len, self.data_rank, self.data_size, seed=self.seed, epoch=epoch,
+                                shuffle=self.shuffle, remainder=self.remainder)
 
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
-        self.epoch = epoch + 1
-        return iter(self.indices(epoch))
+        yield from self.indices(epoch)
+        # Reached only when the consumer asked past the last index: a full pass. A peek or an
+        # abandoned pass never gets here, so it does not move this rank's epoch away from its
+        # replicas'. The guard keeps two interleaved passes from advancing twice.
+        if not self.pinned and self.epoch == epoch:
+            self.epoch = epoch + 1
 
     def __len__(self) -> int:
-        n, d = self.dataset_len, self.data_size
-        if self.remainder == "drop":
-            return n // d
-        if self.remainder == "pad":
-            return math.ceil(n / d)
-        return len(range(self.data_rank, n, d))
+        return self._len
 
 
 def _per_rank_batch(global_batch: int | None, fallback: int | None, data_size: int) -> int | None:
@@ -83,20 +84,70 @@ def _per_rank_batch(global_batch: int | None, fallback: int | None, data_size: i
     return global_batch // data_size
 
 
+def _loader_shuffles(loader: DataLoader, length: int) -> bool:
+    """Whether ``loader``'s sampler shuffles, for a sampler whose meaning a :class:`TopologySampler`
+    keeps; anything else is refused rather than silently replaced."""
+    sampler = loader.sampler
+    if type(sampler) is SequentialSampler:
+        return False
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == length:
+        return True
+    if type(sampler) is DistributedSampler:
+        # A loader made for DDP (or injected by Lightning): its rank/world are re-derived from the
+        # data axis; its shuffle choice is kept.
+        return bool(sampler.shuffle)
+    if type(sampler) is RandomSampler:
+        what = f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler.num_samples})"
+    else:
+        what = type(sampler).__name__
+    raise TypeError(
+        f"shard_data() cannot keep the meaning of this DataLoader's sampler {what}: sharding replaces it by "
+        "a shard of the data axis (a permutation of every sample, or the data set's order), which would "
+        "silently drop its weights, replacement or selection. Give shard_data() a loader made with "
+        "shuffle=True or shuffle=False (or the Dataset itself), and put the selection into the Dataset "
+        "(e.g. a torch.utils.data.Subset); or shard your sampler's indices yourself with "
+        "polyparallel.shard_indices(len(indices), strategy.session().coords['data'], "
+        "strategy.session().topology.size('data'), seed=..., epoch=...)."
+    )
+
+
+def _loader_options(loader: DataLoader) -> dict[str, Any]:
+    """Every option of ``loader`` except what sharding decides (dataset, batch size, sampler)."""
+    options: dict[str, Any] = dict(
+        num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+        timeout=loader.timeout, worker_init_fn=loader.worker_init_fn, persistent_workers=loader.persistent_workers,
+        drop_last=loader.drop_last, generator=loader.generator, pin_memory_device=loader.pin_memory_device,
+        in_order=getattr(loader, "in_order", True),
+    )
+    if loader.num_workers > 0:
+        # DataLoader refuses these two without workers.
+        options.update(multiprocessing_context=loader.multiprocessing_context, prefetch_factor=loader.prefetch_factor)
+    return options
+
+
 def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy) -> DataLoader:
-    """A ``DataLoader`` over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``)."""
+    """A ``DataLoader`` over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``).
+
+    A loader keeps its options (workers, collate_fn, drop_last, pin_memory, generator, ...) and,
+    unless the policy sets ``shuffle``, its shuffle choice; its ``batch_size`` is per rank unless
+    the policy has a global one. A sampler whose meaning cannot be kept is refused.
+    """
     data_size = session.topology.size("data")
     if isinstance(data, DataLoader):
-        dataset, template = data.dataset, data
+        dataset = data.dataset
         if isinstance(data.dataset, torch.utils.data.IterableDataset):
             raise TypeError("shard_data() cannot shard an IterableDataset by index; shard it in the dataset "
                             "itself using strategy.session().coords['data'] and the data axis size.")
         if data.batch_sampler is not None and data.batch_size is None:
-            raise TypeError("shard_data() got a DataLoader with a custom batch_sampler; give the Dataset "
-                            "(and a global batch_size) instead.")
+            raise TypeError(
+                f"shard_data() got a DataLoader with a custom batch_sampler ({type(data.batch_sampler).__name__}), "
+                "whose batches sharding would silently replace. Give shard_data() the Dataset with a global "
+                "batch_size (or a loader with batch_size= and shuffle=), or shard the batches yourself with "
+                "polyparallel.shard_indices."
+            )
         batch = _per_rank_batch(policy.batch_size, data.batch_size, data_size)
     elif isinstance(data, Dataset):
-        dataset, template = data, None
+        dataset = data
         if policy.batch_size is None:
             raise pp.TopologyError("shard_data(Dataset) needs the global batch size: Strategy(batch_size=...) "
                                    "or shard_data(dataset, batch_size=...).")
@@ -107,15 +158,10 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"shard_data() needs a sized dataset; {type(dataset).__name__} has no __len__.") from None
+    if isinstance(data, DataLoader):
+        shuffle, options = policy.shuffles(_loader_shuffles(data, length)), _loader_options(data)
+    else:
+        shuffle, options = policy.shuffles(), {}
     sampler = TopologySampler(length, session.coords["data"], data_size, seed=strategy.seed,
-                              shuffle=policy.shuffle, remainder=policy.remainder)
-    kwargs: dict[str, Any] = {}
-    if template is not None:
-        kwargs = dict(num_workers=template.num_workers, collate_fn=template.collate_fn,
-                      pin_memory=template.pin_memory, timeout=template.timeout,
-                      worker_init_fn=template.worker_init_fn, persistent_workers=template.persistent_workers,
-                      drop_last=template.drop_last)
-        if template.num_workers > 0:
-            kwargs.update(multiprocessing_context=template.multiprocessing_context,
-                          prefetch_factor=template.prefetch_factor)
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, **kwargs)
+                              shuffle=shuffle, remainder=policy.remainder)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler, **options)

@@ -20,7 +20,16 @@ from polyparallel._policies import DEFAULT_STATE_RULES, DataPolicy, GradPolicy, 
 
 def test_data_policy_defaults():
     p = DataPolicy()
-    assert (p.batch_size, p.shuffle, p.remainder) == (None, True, "pad")
+    # shuffle=None inherits: a loader keeps its own choice, data without a loader is shuffled
+    assert (p.batch_size, p.shuffle, p.remainder) == (None, None, "pad")
+
+
+@pytest.mark.parametrize(("shuffle", "inherited", "expected"), [
+    (None, None, True), (None, True, True), (None, False, False),
+    (True, None, True), (True, False, True), (False, None, False), (False, True, False),
+])
+def test_data_policy_shuffles_inherits_unless_set(shuffle, inherited, expected):
+    assert DataPolicy(shuffle=shuffle).shuffles(inherited) is expected
 
 
 @pytest.mark.parametrize("remainder", ["pad", "drop", "uneven"])
@@ -36,6 +45,8 @@ def test_data_policy_remainders(remainder):
     ({"batch_size": 8.0}, r"DataPolicy\.batch_size must be a positive int or None\. Received: 8\.0\."),
     ({"batch_size": True}, r"DataPolicy\.batch_size must be a positive int or None\. Received: True\."),
     ({"batch_size": "8"}, r"DataPolicy\.batch_size must be a positive int or None\. Received: '8'\."),
+    ({"shuffle": "no"}, r"DataPolicy\.shuffle must be True, False or None \(inherit the loader's choice\)\. Received: 'no'\."),
+    ({"shuffle": 0}, r"DataPolicy\.shuffle must be True, False or None .* Received: 0\."),
 ])
 def test_data_policy_invalid(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -45,7 +56,7 @@ def test_data_policy_invalid(kwargs, message):
 def test_data_policy_replace_validates():
     with pytest.raises(ValueError, match="batch_size"):
         dataclasses.replace(DataPolicy(batch_size=8), batch_size=0)
-    assert dataclasses.replace(DataPolicy(batch_size=8), remainder="drop") == DataPolicy(8, True, "drop")
+    assert dataclasses.replace(DataPolicy(batch_size=8), remainder="drop") == DataPolicy(8, None, "drop")
 
 
 # -- GradPolicy ---------------------------------------------------------------------------------------

@@ -15,56 +15,28 @@ def _x(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.float32)[:, None] * np.ones((1, 3), np.float32)
 
 
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    """The single-process order of an epoch (the split itself is property-tested once, in
+    tests/core/test_sharding.py)."""
+    return pp.shard_indices(n, 0, 1, seed=seed, epoch=epoch)
+
+
 # -- shard_order: which samples each data coordinate trains on --------------------------------
 
 
-def test_uneven_shards_are_disjoint_and_complete_for_a_size_that_does_not_divide():
-    shards = shard_order(37, 8, seed=0, epoch=0, shuffle=True, remainder="uneven")
+@pytest.mark.parametrize("remainder", ["pad", "drop", "uneven"])
+def test_shard_order_is_the_core_computation_for_every_coordinate(remainder):
+    shards = shard_order(37, 8, seed=3, epoch=1, shuffle=True, remainder=remainder)
     assert len(shards) == 8
-    assert sorted(len(s) for s in shards) == [4, 4, 4, 5, 5, 5, 5, 5]
-    joined = np.concatenate(shards)
-    assert len(joined) == 37 and sorted(joined.tolist()) == list(range(37))
-
-
-def test_pad_repeats_the_first_samples_of_the_order_so_shards_are_equal():
-    shards = shard_order(37, 8, seed=3, epoch=1, shuffle=True, remainder="pad")
-    order = np.random.default_rng([3, 1]).permutation(37)
-    assert {len(s) for s in shards} == {5}
-    joined = np.concatenate(shards)
-    assert set(joined.tolist()) == set(range(37))
-    repeated = sorted(v for v in set(joined.tolist()) if (joined == v).sum() > 1)
-    assert repeated == sorted(order[:3].tolist())  # 40 - 37 = 3 padding samples
+    for d, shard in enumerate(shards):
+        assert shard.dtype == np.int64
+        assert shard.tolist() == pp.shard_indices(37, d, 8, seed=3, epoch=1, shuffle=True, remainder=remainder)
 
 
 def test_pad_with_fewer_samples_than_the_padding_needed_still_gives_equal_shards():
     shards = shard_order(3, 8, seed=0, epoch=0, shuffle=True, remainder="pad")
     assert len(shards) == 8 and {len(s) for s in shards} == {1}
     assert set(np.concatenate(shards).tolist()) == {0, 1, 2}
-
-
-def test_drop_drops_the_tail_and_keeps_shards_disjoint():
-    shards = shard_order(37, 8, seed=0, epoch=0, shuffle=True, remainder="drop")
-    order = np.random.default_rng([0, 0]).permutation(37)
-    assert {len(s) for s in shards} == {4}
-    joined = np.concatenate(shards)
-    assert len(set(joined.tolist())) == 32
-    assert set(joined.tolist()) == set(order[:32].tolist())
-
-
-def test_shards_are_the_strided_slices_of_the_order():
-    order = np.random.default_rng([5, 2]).permutation(20)
-    shards = shard_order(20, 4, seed=5, epoch=2, shuffle=True, remainder="pad")
-    for d, shard in enumerate(shards):
-        np.testing.assert_array_equal(shard, order[d::4])
-
-
-def test_shuffle_is_deterministic_in_seed_and_epoch():
-    def flat(seed, epoch):
-        return np.concatenate(shard_order(50, 4, seed=seed, epoch=epoch, shuffle=True, remainder="uneven"))
-
-    np.testing.assert_array_equal(flat(1, 0), flat(1, 0))
-    assert not np.array_equal(flat(1, 0), flat(1, 1)), "each epoch reshuffles"
-    assert not np.array_equal(flat(1, 0), flat(2, 0)), "the seed changes the order"
 
 
 def test_without_shuffle_the_order_is_the_identity():
@@ -86,14 +58,14 @@ def test_global_batches_are_consecutive_slices_of_the_order_and_hold_their_rows(
     strategy = jax_strategy(data=8, batch_size=16, seed=4)
     sharded = strategy.shard_data(_x(64))
     assert isinstance(sharded, ShardedArrays) and len(sharded) == 4
-    order = np.random.default_rng([4, 0]).permutation(64)
+    order = _order(64, seed=4, epoch=0)
     batches = list(sharded.batches(0))
     assert len(batches) == 4
     for i, batch in enumerate(batches):
         assert isinstance(batch, Batch) and batch.size == 16
         assert batch.data.shape == (16, 3) and batch.data.sharding.spec == P("data")
         # the rows a single device would see with the same global batch size and seed
-        assert sorted(batch.indices.tolist()) == sorted(order[i * 16:(i + 1) * 16].tolist())
+        assert sorted(batch.indices.tolist()) == sorted(order[i * 16:(i + 1) * 16])
         np.testing.assert_array_equal(np.asarray(batch.data), _x(64)[batch.indices])
         np.testing.assert_array_equal(np.asarray(batch.mask), np.ones(16, np.float32))
 
@@ -132,6 +104,17 @@ def test_pad_and_drop_batches(jax_strategy):
     dropped = list(strategy.shard_data(_x(37), remainder="drop").batches(0))
     seen = np.concatenate([b.indices for b in dropped])
     assert len(seen) == 32 and len(set(seen.tolist())) == 32
+
+
+def test_host_arrays_shuffle_unless_told_not_to(jax_strategy):
+    # No loader to inherit from: the default DataPolicy(shuffle=None) shuffles, shuffle=False keeps the order.
+    strategy = jax_strategy(data=8, batch_size=16, seed=2)
+    assert strategy.data_policy.shuffle is None
+    shuffled = strategy.shard_data(_x(32))
+    assert [s.tolist() for s in shuffled.indices(1)] == [
+        pp.shard_indices(32, d, 8, seed=2, epoch=1) for d in range(8)]
+    assert np.concatenate([b.indices for b in strategy.shard_data(_x(32), shuffle=False).batches(0)]).tolist() == [
+        d + 8 * i for start in (0, 2) for d in range(8) for i in (start, start + 1)]
 
 
 def test_epochs_reshuffle_the_batches(jax_strategy):

@@ -36,8 +36,17 @@ def _parity_worker(strategy):
     ours_epoch_loss = float(trainer.callback_metrics["train_loss"])
     ours_sampler = type(trainer.train_dataloader.sampler).__name__
     lightning_ddp = module_cls(0)
-    trainer = make_trainer(strategy, NS, adapter="ddp", max_epochs=2, limit_val_batches=0)
-    trainer.fit(lightning_ddp, _loader(4))
+    # Lightning's own DDP, fed the shards of polyparallel's order (pp.shard_indices, not torch's randperm)
+    from torch.utils.data import DataLoader
+
+    from polyparallel_torch import TopologySampler
+    from polyparallel_torch.testing import reference_dataset
+
+    same_batches = DataLoader(reference_dataset(37), batch_size=4,
+                              sampler=TopologySampler(37, strategy.rank, 2, seed=strategy.seed, shuffle=True))
+    trainer = make_trainer(strategy, NS, adapter="ddp", max_epochs=2, limit_val_batches=0,
+                           use_distributed_sampler=False)
+    trainer.fit(lightning_ddp, same_batches)
     return {"rank": strategy.rank, "ours": ours.losses, "ddp": lightning_ddp.losses,
             "ours_epoch_loss": ours_epoch_loss, "ddp_epoch_loss": float(trainer.callback_metrics["train_loss"]),
             "ours_params": flat_params(ours.net), "ddp_params": flat_params(lightning_ddp.net),

@@ -8,7 +8,6 @@ package's ``pyproject.toml``; nothing else is needed.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -19,11 +18,16 @@ __version__ = "0.1.0"
 
 
 class Records(Sequence):
-    """An immutable sequence of samples that remembers which original indices it holds."""
+    """An immutable sequence of samples that remembers which original indices it holds.
+
+    What ``shard_data`` returns is this rank's shard for epoch 0; :meth:`at_epoch` gives the shard
+    of any epoch (reshuffled from ``(seed, epoch)`` when the policy shuffles).
+    """
 
     def __init__(self, items: Sequence[Any], indices: Sequence[int] | None = None):
         self.items = tuple(items)
         self.indices = tuple(range(len(self.items)) if indices is None else indices)
+        self._shard: _Shard | None = None
 
     def __getitem__(self, i: Any) -> Any:
         return self.items[i]
@@ -34,27 +38,37 @@ class Records(Sequence):
     def __repr__(self) -> str:
         return f"Records({len(self)} items)"
 
+    def at_epoch(self, epoch: int) -> Records:
+        """This rank's shard of the original collection for ``epoch`` (only for what ``shard_data`` returned)."""
+        if self._shard is None:
+            raise TypeError("at_epoch() is for what strategy.shard_data(records) returned; this Records is no shard.")
+        return self._shard.records(epoch)
 
-def shard_indices(n: int, data_rank: int, data_size: int, seed: int, epoch: int,
-                  shuffle: bool, remainder: str) -> list[int]:
-    """This data rank's indices of ``n`` samples (strided after a seeded shuffle)."""
-    order = list(range(n))
-    if shuffle:
-        random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    if remainder == "drop":
-        order = order[: n - n % data_size]
-    elif remainder == "pad" and n % data_size:
-        order += order[: data_size - n % data_size]
-    return order[data_rank::data_size]
+
+class _Shard:
+    """How a shard was cut, so that another epoch can be cut the same way."""
+
+    def __init__(self, source: Records, data_rank: int, data_size: int, seed: int, shuffle: bool, remainder: str):
+        self.source, self.data_rank, self.data_size = source, data_rank, data_size
+        self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
+
+    def records(self, epoch: int) -> Records:
+        # The one sharding computation every runtime uses: disjoint, complete, equal-length
+        # shards as the remainder asks, reshuffled each epoch, the same on every replica.
+        picked = pp.shard_indices(len(self.source), self.data_rank, self.data_size, seed=self.seed, epoch=epoch,
+                                  shuffle=self.shuffle, remainder=self.remainder)
+        shard = Records([self.source.items[i] for i in picked], [self.source.indices[i] for i in picked])
+        shard._shard = self
+        return shard
 
 
 @pp.hookimpl
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
     if not isinstance(data, Records):
         return None  # not ours: let another plugin answer
-    picked = shard_indices(len(data), session.coords["data"], session.topology.size("data"),
-                           strategy.seed, 0, policy.shuffle, policy.remainder)
-    return Records([data.items[i] for i in picked], [data.indices[i] for i in picked])
+    # A Records is not a loader: there is no shuffle choice to inherit, so shuffle=None shuffles.
+    return _Shard(data, session.coords["data"], session.topology.size("data"), strategy.seed,
+                  policy.shuffles(), policy.remainder).records(0)
 
 
 class RecordsLoop:
@@ -64,12 +78,10 @@ class RecordsLoop:
         self.strategy, self.batch_size = strategy, batch_size
 
     def batches(self, records: Records, epoch: int = 0) -> Iterator[list[Any]]:
-        session = self.strategy.session()
-        picked = shard_indices(len(records), session.coords["data"], session.topology.size("data"),
-                               self.strategy.seed, epoch, self.strategy.data_policy.shuffle,
-                               self.strategy.data_policy.remainder)
-        for start in range(0, len(picked), self.batch_size):
-            yield [records.items[i] for i in picked[start:start + self.batch_size]]
+        """This rank's batches of ``records`` in ``epoch`` (the epoch is explicit: nothing advances by itself)."""
+        shard = self.strategy.shard_data(records).at_epoch(epoch)
+        for start in range(0, len(shard), self.batch_size):
+            yield list(shard.items[start:start + self.batch_size])
 
 
 @pp.hookimpl
