@@ -45,7 +45,9 @@ def _frequency():
 
 # -- multi-process: data=2 x tensor=2, one launch -----------------------------------------------------------
 def _metrics_worker():
+    import ignite.distributed as idist
     from ignite.engine import create_supervised_evaluator
+    from ignite.metrics import RunningAverage
 
     strategy = pp.Strategy(data=2, tensor=2, timeout=30)
     ignite = strategy.adapt("ignite")
@@ -55,10 +57,14 @@ def _metrics_worker():
     evaluator = ignite.create_supervised_evaluator(model, ignite_metrics(CLASSES), data=loader)
     # Frequency overrides Metric.completed and runs at every iteration; attached after attach().
     _frequency().attach(evaluator, "frequency")
+    # RunningAverage reduces in update() (iteration_completed): the average of the world size
+    # its update sees is the size of the world it reduces over.
+    RunningAverage(output_transform=lambda output: torch.tensor(float(idist.get_world_size()))).attach(
+        evaluator, "world_seen")
     with float64_defaults():
         evaluator.run(loader)
         got = _comparable(evaluator.state.metrics)
-        frequency = got.pop("frequency")
+        frequency, world_seen = got.pop("frequency"), got.pop("world_seen")
         # By hand, outside an engine: the same reduction through data_group_world().
         accuracy = ignite_metrics()["accuracy"]
         for x, y in loader:
@@ -71,7 +77,7 @@ def _metrics_worker():
                                             device=ignite.device)
         plain.run(loader)
     return {"rank": strategy.rank, "metrics": got, "manual": manual, "shard": len(loader.sampler),
-            "frequency": frequency, "plain_count": int(plain.state.metrics["confusion"].sum()),
+            "frequency": frequency, "world_seen": world_seen, "plain_count": int(plain.state.metrics["confusion"].sum()),
             "plain_frequency": plain.state.metrics["frequency"]}
 
 
@@ -92,6 +98,7 @@ def test_builtin_metrics_equal_single_process_on_uneven_data(run):
         assert got["loss"] == pytest.approx(reference["loss"], rel=1e-12)
         assert r["manual"] == reference["accuracy"]
         assert r["frequency"] == N, "Frequency must count every sample once, over the data group"
+        assert r["world_seen"] == 2.0, "RunningAverage must reduce over the data group"
         # unattached ignite: the world double counts tensor replicas
         assert r["plain_count"] == 2 * N and r["plain_frequency"] == 2 * N
 
