@@ -176,7 +176,7 @@ def _world(model: ComputationModel) -> Iterator[ComputationModel]:
     import ignite.distributed.utils as idist_utils
 
     saved = idist_utils._model, idist_utils._need_to_sync
-    idist_utils._model, idist_utils._need_to_sync = model, False
+    idist_utils._model, idist_utils._need_to_sync = model, False  # type: ignore[assignment]
     try:
         yield model
     finally:

@@ -144,7 +144,8 @@ class Model:
                 if isinstance(sub, nnx.BatchNorm):
                     sub.axis_name = DATA if sync else None
             self.module.train() if train else self.module.eval()
-            return nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+            graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+            return graphdef, params, stats, rest
         finally:
             for sub, attributes in saved:
                 for name, value in attributes.items():

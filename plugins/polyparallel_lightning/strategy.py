@@ -285,7 +285,7 @@ class StrategyMixin:
         # teardown: a process-wide filter would hide it from every other Trainer too.
         connector = getattr(trainer, "_data_connector", None)
         resolve = getattr(connector, "_resolve_sampler", None)
-        if resolve is None or hasattr(resolve, "_polyparallel_original"):
+        if connector is None or resolve is None or hasattr(resolve, "_polyparallel_original"):
             return
 
         def resolve_sampler(*args: Any, **kwargs: Any) -> Any:
