@@ -12,7 +12,8 @@ ignite                          :class:`IgniteAdapter`
 ``idist.auto_optim``            :meth:`~IgniteAdapter.auto_optim`: averages gradients over the data
                                 group before each ``step()`` where no DDP did
 metrics (``sync_all_reduce``)   :meth:`~IgniteAdapter.attach`: metrics of the engine reduce over the
-                                data group, bounded by the strategy's timeout
+                                data group, bounded by the strategy's timeout (that engine only;
+                                :meth:`~IgniteAdapter.detach` undoes it)
 ==============================  ===================================================================
 
 plus :meth:`~IgniteAdapter.create_supervised_trainer` / ``create_supervised_evaluator``, which
@@ -23,6 +24,7 @@ call ignite's factories with the right device and attach (and run pipelines when
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -42,6 +44,17 @@ def full_output(y_pred: Any) -> Any:
     return y_pred.full_tensor() if hasattr(y_pred, "full_tensor") else y_pred
 
 
+def _set_epoch(engine: Any, sampler: Any) -> None:
+    """``EPOCH_STARTED`` handler of :meth:`IgniteAdapter.attach`: epochs count from 0 in samplers."""
+    sampler.set_epoch(engine.state.epoch - 1)
+
+
+def _unregister(engine_ref: weakref.ref[Any]) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        _metrics.unregister_engine(engine)
+
+
 class IgniteAdapter:
     """A :class:`polyparallel.Strategy` made Ignite-native. Build it with ``strategy.adapt("ignite")``.
 
@@ -54,8 +67,6 @@ class IgniteAdapter:
         # pipeline x tensor is refused before this, by the capabilities' `excludes` (adapt()).
         self.strategy = strategy
         self.microbatches = microbatches
-        # Before any metric is attached: Metric.attach stores the bound `completed` method.
-        _metrics.install()
 
     def __repr__(self) -> str:
         return f"<IgniteAdapter {self.strategy!r}>"
@@ -150,19 +161,39 @@ class IgniteAdapter:
     def attach(self, engine: Any, data: Any = None) -> Any:
         """Attach the strategy to an ignite ``Engine`` (a trainer or an evaluator):
 
-        - its metrics reduce over the data group only (count-weighted: ignite's metrics reduce
-          sums and counts), bounded by the strategy's timeout;
+        - its metrics (attached before or after this call) reduce over the data group only
+          (count-weighted: ignite's metrics reduce sums and counts), bounded by the strategy's
+          timeout. Only this engine changes: ignite itself, other engines and plain
+          ``metric.compute()`` calls are left as ignite made them;
         - ``data`` (a loader from :meth:`auto_dataloader`): its sampler's epoch follows
           ``engine.state.epoch``, so shuffling is deterministic from ``(seed, epoch)``, also on resume.
+
+        Undone by :meth:`detach`, or when the strategy's session closes.
 
         :return: ``engine``.
         """
         from ignite.engine import Events
 
         _metrics.register_engine(engine, self.runtime)
+        # The session's end undoes it too: the runtime's groups are gone with it (weakly held).
+        engine_ref = weakref.ref(engine)
+        self.session.add_finalizer(lambda: _unregister(engine_ref))
         sampler = getattr(data, "sampler", None)
         if sampler is not None and hasattr(sampler, "set_epoch"):
-            engine.add_event_handler(Events.EPOCH_STARTED, lambda e: sampler.set_epoch(e.state.epoch - 1))
+            engine.add_event_handler(Events.EPOCH_STARTED, _set_epoch, sampler)
+        return engine
+
+    def detach(self, engine: Any) -> Any:
+        """Undo :meth:`attach`: the engine's metrics reduce as ignite's own (over ``idist``'s
+        world) and its loader's epoch is no longer set by the engine.
+
+        :return: ``engine``.
+        """
+        from ignite.engine import Events
+
+        _metrics.unregister_engine(engine)
+        if engine.has_event_handler(_set_epoch, Events.EPOCH_STARTED):
+            engine.remove_event_handler(_set_epoch, Events.EPOCH_STARTED)
         return engine
 
     def create_supervised_trainer(self, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -9,22 +9,29 @@ native, Horovod and XLA backends are subclasses) held in ``ignite.distributed.ut
 The cleanest hook is therefore ignite's own abstraction: :class:`DataGroupModel` is a
 ``ComputationModel`` whose world *is this rank's data group* (rank = data coordinate, world
 size = data size, every collective over the data group through the torch runtime's bounded
-collectives). While a metric of an engine attached with :func:`register_engine` computes, that
-model is swapped in, so every built-in metric (``Accuracy``, ``Loss``, ``Precision``,
-``ConfusionMatrix``, ``EpochMetric`` ...) sums exactly its data shards: never tensor/pipeline
-replicas (no double counting), and a peer that never joins raises
-:class:`polyparallel.CollectiveTimeout` naming the metric, the ``data`` axis and the rank.
+collectives). While a metric of an engine registered with :func:`register_engine` handles one of
+the engine's events, that model is swapped in, so every built-in metric (``Accuracy``, ``Loss``,
+``Precision``, ``ConfusionMatrix``, ``EpochMetric``, ``Frequency``, ``RunningAverage`` ...) sums
+exactly its data shards: never tensor/pipeline replicas (no double counting), and a peer that
+never joins raises :class:`polyparallel.CollectiveTimeout` naming the metric, the ``data`` axis
+and the rank.
 
-The patch, kept narrow and reversible:
+Scoped to the engines handed over, nothing process-wide:
 
-- one method, ``ignite.metrics.Metric.completed`` (what ``Metric.attach`` registers at
-  ``EPOCH_COMPLETED``), replaced by :func:`install` with a wrapper that behaves exactly as the
-  original for engines not registered here; :func:`uninstall` restores the original. It must be
-  installed *before* metrics are attached (``attach`` stores the bound method), which
-  ``strategy.adapt("ignite")`` does.
-- the computation model is swapped only for the duration of that one ``completed`` call (and
-  restored in ``finally``), from the engine's own thread. :func:`data_group_world` exposes the
-  same swap for code that calls ``metric.compute()`` by hand.
+- ignite's classes are not patched. :func:`register_engine` replaces, *in that engine's handler
+  lists only*, each metric's ``iteration_completed`` and ``completed`` handler (the bound methods
+  ``Metric.attach`` registered, whatever class defines them: ``Frequency`` overrides
+  ``completed``) by a wrapper that keeps ignite's ``_parent`` protocol, so ``is_attached`` and
+  ``detach`` behave as before. Metrics attached later are wrapped when the engine's run or an
+  epoch starts. The same metric attached to another engine, and every other engine, run as ignite
+  wrote them. :func:`unregister_engine` gives the engine its original handlers back.
+- the computation model is swapped only for the duration of one handler call (and restored in
+  ``finally``), from the engine's own thread. :func:`data_group_world` exposes the same swap for
+  code that calls ``metric.compute()`` by hand.
+
+``Frequency`` (items per second) reduces its item count and elapsed time over the data group, so
+its value is the throughput of the whole data-parallel job, each sample counted once (ignite's
+world-wide reduction would count each sample once per tensor/pipeline replica).
 """
 
 from __future__ import annotations
@@ -39,10 +46,7 @@ import torch
 import torch.distributed as dist
 from ignite.distributed.comp_models.base import ComputationModel
 
-import polyparallel as pp
-
-__all__ = ["DataGroupModel", "data_group_world", "install", "uninstall", "installed", "register_engine",
-           "is_registered"]
+__all__ = ["DataGroupModel", "data_group_world", "is_registered", "register_engine", "unregister_engine"]
 
 _OPS = {"SUM": "sum", "MAX": "max", "MIN": "min"}
 
@@ -167,82 +171,151 @@ class DataGroupModel(ComputationModel):
 
 
 @contextlib.contextmanager
-def data_group_world(runtime: Any, operation: str = "ignite metric reduction") -> Iterator[DataGroupModel]:
-    """Inside this block, ``ignite.distributed`` sees this rank's data group as the world.
-
-    For metrics computed by hand: ``with data_group_world(rt): value = metric.compute()``.
-    The previous computation model is restored on exit, also on error.
-    """
+def _world(model: ComputationModel) -> Iterator[ComputationModel]:
+    """``model`` is ignite's computation model inside the block; the previous one after it."""
     import ignite.distributed.utils as idist_utils
 
     saved = idist_utils._model, idist_utils._need_to_sync
-    model = DataGroupModel(runtime, operation)
-    idist_utils._model, idist_utils._need_to_sync = model, False
+    idist_utils._model, idist_utils._need_to_sync = model, False  # type: ignore[assignment]
     try:
         yield model
     finally:
         idist_utils._model, idist_utils._need_to_sync = saved
 
 
-# -- the one patched method ---------------------------------------------------------------------------
-_ENGINES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_ORIGINAL: dict[str, Any] = {}
+@contextlib.contextmanager
+def data_group_world(runtime: Any, operation: str = "ignite metric reduction") -> Iterator[DataGroupModel]:
+    """Inside this block, ``ignite.distributed`` sees this rank's data group as the world.
+
+    For metrics computed by hand: ``with data_group_world(rt): value = metric.compute()``.
+    The previous computation model is restored on exit, also on error.
+    """
+    with _world(DataGroupModel(runtime, operation)) as model:
+        yield model  # type: ignore[misc]
 
 
-def _completed(self: Any, engine: Any, name: str) -> None:
-    """``Metric.completed`` that reduces over the data group for engines registered here."""
-    original = _ORIGINAL.get("completed") or _original_completed()
-    runtime = _ENGINES.get(engine)
-    if runtime is None:
-        return original(self, engine, name)
-    with data_group_world(runtime, f"ignite metric {name!r} ({type(self).__name__}.compute)"):
-        return original(self, engine, name)
+# -- engines whose metrics reduce over the data group ------------------------------------------------
+#: The metric methods an engine calls from its events: ``iteration_completed`` (``update``, where
+#: e.g. ``RunningAverage`` reduces) and ``completed`` (``compute``, where most metrics reduce).
+_WRAPPED_METHODS = {"iteration_completed": "update", "completed": "compute"}
 
 
-def _original_completed() -> Any:
+class _Registration:
+    """An engine registered with :func:`register_engine`: the runtime, and the handlers that wrap
+    metrics attached later (before a run or an epoch starts)."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.models: dict[str, DataGroupModel] = {}  # by operation, for this runtime
+
+    def model(self, operation: str) -> DataGroupModel:
+        model = self.models.get(operation)
+        if model is None:
+            model = self.models[operation] = DataGroupModel(self.runtime, operation)
+        return model
+
+
+_ENGINES: weakref.WeakKeyDictionary[Any, _Registration] = weakref.WeakKeyDictionary()
+
+
+def _metric_method(handler: Any) -> tuple[Any, str] | None:
+    """``(metric, method name)`` when ``handler`` is a metric's ``iteration_completed`` or
+    ``completed`` as ignite registered it: the bound method, or ignite's wrapper for a filtered
+    event (``Events.ITERATION_COMPLETED(every=50)``), which points back to it through ``_parent``."""
     from ignite.metrics import Metric
 
-    completed = Metric.__dict__["completed"]
-    return getattr(completed, "__wrapped_by_polyparallel__", completed)
+    if hasattr(handler, "_polyparallel_original"):
+        return None  # already ours
+    parent = getattr(handler, "_parent", None)
+    target = parent() if isinstance(parent, weakref.ref) else handler
+    metric = getattr(target, "__self__", None)
+    name = getattr(target, "__name__", None)
+    if isinstance(metric, Metric) and name in _WRAPPED_METHODS:
+        return metric, name
+    return None
 
 
-def install() -> None:
-    """Patch ``ignite.metrics.Metric.completed`` (idempotent). Engines not registered with
-    :func:`register_engine` see ignite's behaviour unchanged."""
-    from ignite.metrics import Metric
+def _wrap(engine: Any, handler: Any, metric: Any, method: str, name: str) -> Any:
+    """``handler`` run with the data group as ignite's world while ``engine`` is registered.
 
-    if "completed" in _ORIGINAL:
-        return
-    _ORIGINAL["completed"] = Metric.__dict__["completed"]
-    _completed.__wrapped_by_polyparallel__ = _ORIGINAL["completed"]  # type: ignore[attr-defined]
-    _completed.__doc__ = (_ORIGINAL["completed"].__doc__ or "") + (
-        "\n\n        Patched by polyparallel_ignite: reduces over the data group for engines attached "
-        "with strategy.adapt('ignite').attach(engine).")
-    Metric.completed = _completed  # type: ignore[method-assign]
+    The wrapper answers ignite's ``_parent`` protocol (``has_event_handler``,
+    ``remove_event_handler``), so ``metric.is_attached(engine)`` and ``metric.detach(engine)`` work
+    as before."""
+    engine_ref = weakref.ref(engine)
+    operation = f"ignite metric {name!r} ({type(metric).__name__}.{_WRAPPED_METHODS[method]})"
 
+    def over_data_group(*args: Any, **kwargs: Any) -> Any:
+        target = engine_ref()
+        registration = _ENGINES.get(target) if target is not None else None
+        if registration is None:  # unregistered since: ignite's own behaviour
+            return handler(*args, **kwargs)
+        with _world(registration.model(operation)):
+            return handler(*args, **kwargs)
 
-def uninstall() -> None:
-    """Restore ignite's ``Metric.completed``. Metrics attached while the patch was installed keep
-    the wrapper bound (ignite stored the bound method), which then behaves as the original for
-    engines no longer registered."""
-    from ignite.metrics import Metric
-
-    original = _ORIGINAL.pop("completed", None)
-    if original is not None:
-        Metric.completed = original  # type: ignore[method-assign]
-    _ENGINES.clear()
+    parent = getattr(handler, "_parent", None)
+    # The closure holds `handler`, so a weak reference to the bound method stays alive with it.
+    over_data_group._parent = parent if isinstance(parent, weakref.ref) else weakref.ref(handler)  # type: ignore[attr-defined]
+    over_data_group._polyparallel_original = handler  # type: ignore[attr-defined]
+    return over_data_group
 
 
-def installed() -> bool:
-    """Whether :func:`install` is in effect."""
-    return "completed" in _ORIGINAL
+def _wrap_metrics(engine: Any) -> None:
+    """Wrap the metric handlers of ``engine`` not wrapped yet (an event handler of the engine:
+    metrics attached after :func:`register_engine` are wrapped when the run or an epoch starts)."""
+    handlers = engine._event_handlers  # ignite's registry: {event: [(handler, args, kwargs), ...]}
+    names: dict[int, str] = {}
+    for entries in handlers.values():
+        for handler, args, _ in entries:
+            found = _metric_method(handler) or _metric_method(getattr(handler, "_polyparallel_original", None))
+            if found and found[1] == "completed" and args and isinstance(args[-1], str):
+                names[id(found[0])] = args[-1]  # Metric.attach registers completed(engine, name)
+    for event, entries in list(handlers.items()):
+        if not any(_metric_method(handler) for handler, _, _ in entries):
+            continue
+        replaced = []
+        for handler, args, kwargs in entries:
+            found = _metric_method(handler)
+            if found is not None:
+                metric, method = found
+                handler = _wrap(engine, handler, metric, method, names.get(id(metric), type(metric).__name__))
+            replaced.append((handler, args, kwargs))
+        # A new list: an event being fired keeps iterating over the one it started with.
+        handlers[event] = replaced
+
+
+def _unwrap_metrics(engine: Any) -> None:
+    handlers = engine._event_handlers
+    for event, entries in list(handlers.items()):
+        if any(hasattr(handler, "_polyparallel_original") for handler, _, _ in entries):
+            handlers[event] = [(getattr(handler, "_polyparallel_original", handler), args, kwargs)
+                               for handler, args, kwargs in entries]
 
 
 def register_engine(engine: Any, runtime: Any) -> None:
-    """Make ``engine``'s metrics reduce over ``runtime``'s data group (weakly referenced)."""
-    if not installed():
-        raise pp.PolyparallelError("polyparallel_ignite.metrics.install() must run before engines are registered.")
-    _ENGINES[engine] = runtime
+    """Make the metrics of ``engine`` (attached before or after this call, until the engine's run
+    or epoch starts) reduce over ``runtime``'s data group. Only this engine changes: ignite's
+    classes, other engines and the metrics' other engines are left alone. Undone by
+    :func:`unregister_engine`; the engine is weakly referenced."""
+    from ignite.engine import Events
+
+    registration = _ENGINES.get(engine)
+    if registration is None or registration.runtime is not runtime:
+        _ENGINES[engine] = _Registration(runtime)
+    for event in (Events.STARTED, Events.EPOCH_STARTED):
+        if not engine.has_event_handler(_wrap_metrics, event):
+            engine.add_event_handler(event, _wrap_metrics)
+    _wrap_metrics(engine)
+
+
+def unregister_engine(engine: Any) -> None:
+    """Give ``engine`` back its handlers as ignite made them (idempotent)."""
+    from ignite.engine import Events
+
+    _ENGINES.pop(engine, None)
+    for event in (Events.STARTED, Events.EPOCH_STARTED):
+        if engine.has_event_handler(_wrap_metrics, event):
+            engine.remove_event_handler(_wrap_metrics, event)
+    _unwrap_metrics(engine)
 
 
 def is_registered(engine: Any) -> bool:

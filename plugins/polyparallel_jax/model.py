@@ -16,6 +16,11 @@ the sharded parameters. Metrics and losses are reduced count-weighted by
 
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
+
+The module passed in keeps its own configuration: the train/eval mode and the BatchNorm
+``axis_name`` a step needs are set only while that step's graph is taken (``nnx.split``; the
+compiled step keeps them), then the module's own values are put back, so the user's
+``axis_name`` for their own ``vmap``/``pmap`` survives ``fit``, ``evaluate`` and ``predict``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_f
 __all__ = ["Model"]
 
 DATA = "data"
+
+#: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
+_STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
 
 
 class _Plain:
@@ -121,16 +129,27 @@ class Model:
         return self._placed
 
     def _split(self, train: bool) -> tuple[Any, Any, Any, Any]:
+        """``nnx.split`` of the module configured for this step: train/eval mode, and BatchNorm
+        synchronised over ``data`` for the ``mean`` policy. The configuration lives in the
+        graphdef (static attributes); the user's module gets its own attributes back."""
         from flax import nnx
 
         strategy = self._placed[0] if self._placed else None
-        for _, sub in nnx.iter_modules(self.module):
-            if isinstance(sub, nnx.BatchNorm):
-                # Synchronised BatchNorm (global batch statistics) for the "mean" policy.
-                sync = strategy is not None and train and self._stats_action(strategy) == "mean"
-                sub.axis_name = DATA if sync else None
-        self.module.train() if train else self.module.eval()
-        return nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+        # Synchronised BatchNorm (global batch statistics) for the "mean" policy.
+        sync = strategy is not None and train and self._stats_action(strategy) == "mean"
+        saved = [(sub, {name: vars(sub)[name] for name in _STEP_ATTRIBUTES if name in vars(sub)})
+                 for _, sub in nnx.iter_modules(self.module)]
+        try:
+            for _, sub in nnx.iter_modules(self.module):
+                if isinstance(sub, nnx.BatchNorm):
+                    sub.axis_name = DATA if sync else None
+            self.module.train() if train else self.module.eval()
+            graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
+            return graphdef, params, stats, rest
+        finally:
+            for sub, attributes in saved:
+                for name, value in attributes.items():
+                    setattr(sub, name, value)
 
     @staticmethod
     def _stats_action(strategy: pp.Strategy) -> str:

@@ -11,9 +11,11 @@ Two ways to start a run, one environment class:
   launcher's (``RANK``, ``WORLD_SIZE``) — not recomputed from ``Trainer(devices=)``, which
   on CPU is often left at its default of 1.
 
-``teardown`` keeps ``WORLD_SIZE`` (Lightning's own environment deletes it): the polyparallel
-session, its process groups and its view of the world outlive one ``Trainer`` and serve the
-next one in the same process.
+``teardown`` is Lightning's when Lightning launched (it deletes the ``WORLD_SIZE`` its launcher
+set), and leaves an external launcher's variables alone (as Lightning's ``TorchElasticEnvironment``
+does): a later Trainer of the process sees what it would have seen without polyparallel. The
+polyparallel session and its process groups outlive one ``Trainer`` anyway: they were made from
+Lightning's ranks (see :mod:`polyparallel_lightning.strategy`), not from these variables.
 
 The class is built per Lightning namespace by :func:`environment_class` (cached); the behaviour
 lives in :class:`EnvironmentMixin`, which imports nothing from Lightning.
@@ -59,7 +61,9 @@ class EnvironmentMixin:
         super().set_global_rank(self.global_rank() if launched_externally() else rank)  # type: ignore[misc]
 
     def teardown(self) -> None:
-        """Nothing to undo: the world outlives the Trainer (see the module docstring)."""
+        """Lightning's teardown, unless an external launcher set the variables (module docstring)."""
+        if not launched_externally():
+            super().teardown()  # type: ignore[misc]
 
 
 #: ``environment_class(namespace)``: the cluster-environment class for a Lightning namespace

@@ -25,18 +25,28 @@ checkpoints                   one consolidated file (tensor shards gathered), wr
 decisions, barriers           over the world (every rank must agree to stop or to save)
 ============================  =================================================================
 
+Nothing outlives the objects handed over: the launcher variables polyparallel's session reads
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) are set from what
+Lightning knows only while the session and its process groups are made, and removed right after;
+Lightning's warning about ``DistributedSampler`` during ``validate``/``test`` (wrong here: the
+adapter shards evaluation ``"uneven"``, every sample once) is silenced around that one call of
+the Trainer the strategy serves, and the silencer is removed at ``teardown``. A plain Trainer
+made afterwards in the same process sees the environment and warning filters it would have seen
+without polyparallel.
+
 The classes are built per Lightning namespace by :func:`strategy_class` (cached); the behaviour
 lives in :class:`StrategyMixin`, which imports nothing from Lightning at module level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +60,9 @@ from .environment import environment_class, launched_externally
 from .namespaces import NAMESPACES, Namespace, per_namespace_class
 
 __all__ = ["StrategyMixin", "strategy_class", "make_strategy"]
+
+#: Lightning's warning that an injected ``DistributedSampler`` repeats evaluation samples.
+_SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"
 
 #: Keyword arguments that come from the polyparallel Strategy, not from the adapter's caller.
 _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environment)",
@@ -81,6 +94,7 @@ class StrategyMixin:
         self._ns = NAMESPACES[namespace]
         self._plan = plan
         self._runtime_cache: Any = None
+        self._quieted: Any = None  # the Trainer's data connector whose sampler warning is silenced
         super().__init__(  # type: ignore[call-arg]
             cluster_environment=environment_class(namespace)(),
             process_group_backend=polyparallel_strategy.backend,
@@ -134,8 +148,31 @@ class StrategyMixin:
         if rt is None or rt.session.closed:
             from polyparallel_torch.runtime import get_runtime
 
-            rt = self._runtime_cache = get_runtime(self._session())
+            with self._launcher_environment():
+                rt = self._runtime_cache = get_runtime(self._session())
         return rt
+
+    @contextlib.contextmanager
+    def _launcher_environment(self) -> Iterator[None]:
+        """The launcher's variables, from Lightning's ranks, while the session and its process
+        groups are made: polyparallel reads them, and Lightning's own launchers set only some.
+        Those this adds are removed afterwards: left behind, ``RANK``/``WORLD_SIZE`` would make
+        every later Trainer or session of the process believe an external launcher started it."""
+        if self.world_size <= 1 or launched_externally():  # type: ignore[attr-defined]
+            yield
+            return
+        env = self.cluster_environment  # type: ignore[attr-defined]
+        wanted = {"RANK": self.global_rank, "WORLD_SIZE": self.world_size,  # type: ignore[attr-defined]
+                  "LOCAL_RANK": self.local_rank, "MASTER_ADDR": env.main_address,  # type: ignore[attr-defined]
+                  "MASTER_PORT": env.main_port}
+        added = {key: str(value) for key, value in wanted.items() if key not in os.environ}
+        os.environ.update(added)
+        try:
+            yield
+        finally:
+            for key, value in added.items():
+                if os.environ.get(key) == value:
+                    del os.environ[key]
 
     def _session(self) -> pp.Session:
         session = self._pp.session()
@@ -169,18 +206,8 @@ class StrategyMixin:
         """Ranks from the cluster environment, then the runtime's groups (not Lightning's
         ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
         importlib.import_module(f"{self._ns.fabric}.utilities.seed").reset_seed()
-        # Lightning warns that an injected DistributedSampler repeats evaluation samples; the
-        # adapter replaces it by an "uneven" shard (each sample once), so the warning is wrong here.
-        warnings.filterwarnings("ignore", message="Using `DistributedSampler` with the dataloaders")
         self.set_world_ranks()  # type: ignore[attr-defined]
-        if self.world_size > 1:  # type: ignore[attr-defined]
-            # polyparallel reads the launcher's variables; Lightning's own launcher sets only some.
-            env = self.cluster_environment  # type: ignore[attr-defined]
-            for key, value in (("RANK", self.global_rank), ("WORLD_SIZE", self.world_size),  # type: ignore[attr-defined]
-                               ("LOCAL_RANK", self.local_rank), ("MASTER_ADDR", env.main_address),  # type: ignore[attr-defined]
-                               ("MASTER_PORT", env.main_port)):
-                os.environ.setdefault(key, str(value))
-        rt = self.runtime
+        rt = self.runtime  # made inside the launcher's variables (see _launcher_environment)
         if rt.device.type != self.root_device.type:
             raise pp.TopologyError(
                 f"The torch runtime computes on {rt.device} but the Trainer's accelerator gives {self.root_device}. "
@@ -249,6 +276,33 @@ class StrategyMixin:
                 self.model = self._setup_model(self.model)  # type: ignore[has-type]
             self.setup_precision_plugin()  # type: ignore[attr-defined]
         self._scope_torchmetrics()
+        self._quiet_sampler_warning(trainer)
+
+    def _quiet_sampler_warning(self, trainer: Any) -> None:
+        # Lightning warns (validate/test) that an injected DistributedSampler repeats evaluation
+        # samples; the adapter replaces it by an "uneven" shard (each sample once), so the warning
+        # is wrong here. Silenced around the one call that emits it, on this Trainer only, until
+        # teardown: a process-wide filter would hide it from every other Trainer too.
+        connector = getattr(trainer, "_data_connector", None)
+        resolve = getattr(connector, "_resolve_sampler", None)
+        if connector is None or resolve is None or hasattr(resolve, "_polyparallel_original"):
+            return
+
+        def resolve_sampler(*args: Any, **kwargs: Any) -> Any:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SAMPLER_WARNING)
+                return resolve(*args, **kwargs)
+
+        resolve_sampler._polyparallel_original = resolve  # type: ignore[attr-defined]
+        connector._resolve_sampler = resolve_sampler  # an instance attribute: this Trainer only
+        self._quieted = connector
+
+    def teardown(self) -> None:
+        """Lightning's teardown; the Trainer gets its data connector back as Lightning made it."""
+        connector, self._quieted = self._quieted, None
+        if connector is not None:
+            vars(connector).pop("_resolve_sampler", None)
+        super().teardown()  # type: ignore[misc]
 
     def _scope_torchmetrics(self) -> None:
         # torchmetrics reduce over the world unless told otherwise: with tensor replicas that

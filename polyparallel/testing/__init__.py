@@ -3,9 +3,10 @@
 - :class:`ConformanceDriver`: the framework-specific half a plugin author writes.
 - :class:`ConformanceSuite`: the contract as pytest tests (imports pytest on first use).
 - :func:`reference_data`: the deterministic reference data set, as plain lists.
-- The pytest plugin ``polyparallel.testing.pytest_plugin`` (auto-loaded via the ``pytest11``
-  entry point) adds ``--runslow``, the ``slow``/``multiprocess`` markers and a fixture that
-  restores the environment and closes sessions.
+- The pytest plugin ``polyparallel.testing.pytest_plugin`` (opt-in: ``-p
+  polyparallel.testing.pytest_plugin``) adds ``--polyparallel-slow``, the ``polyparallel_slow``
+  and ``polyparallel_multiprocess`` markers, and fixtures that restore the environment, close
+  sessions and launch processes.
 """
 
 from __future__ import annotations

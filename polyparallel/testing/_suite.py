@@ -30,7 +30,7 @@ def _never_called() -> None:  # pragma: no cover - launch must refuse before sta
     raise AssertionError("launch() started processes for a topology the target cannot run")
 
 
-@pytest.mark.multiprocess
+@pytest.mark.polyparallel_multiprocess  # registered by polyparallel.testing.pytest_plugin
 class ConformanceSuite:
     """Base class; set :attr:`driver`, :attr:`strategy` and :attr:`nprocs` in a subclass."""
 

@@ -1,9 +1,19 @@
-"""pytest plugin for polyparallel and its plugins' test suites (entry point ``pytest11``).
+"""pytest plugin for the test suites of polyparallel plugins. Opt-in: nothing is loaded into a
+pytest run unless the project asks for it, so installing polyparallel changes no other
+project's tests. Enable it with ``-p polyparallel.testing.pytest_plugin`` (on the command line or
+in ``addopts``) or ``pytest_plugins = ["polyparallel.testing.pytest_plugin"]`` in the root
+``conftest.py``.
 
-Adds ``--runslow`` (or ``POLYPARALLEL_SLOW=1``) for tests marked ``slow``, registers the
-``multiprocess`` marker, and two fixtures: ``polyparallel_clean`` (environment variables restored
-and every polyparallel session closed after the test) and ``polyparallel_run`` (launch a function
-on N real processes with a hard time limit).
+Everything it adds carries the ``polyparallel`` prefix, so a project that enables it keeps its
+own ``--runslow`` option and ``slow`` marker:
+
+- ``--polyparallel-slow`` (or ``POLYPARALLEL_SLOW=1``) runs the tests marked
+  ``polyparallel_slow``, which are skipped otherwise;
+- the ``polyparallel_multiprocess`` marker (tests that start real processes with real
+  collectives; :class:`~polyparallel.testing.ConformanceSuite` carries it);
+- two fixtures: ``polyparallel_clean`` (environment variables restored and every polyparallel
+  session closed after the test) and ``polyparallel_run`` (launch a function on N real processes
+  with a hard time limit).
 """
 
 from __future__ import annotations
@@ -14,22 +24,42 @@ from typing import Any
 
 import pytest
 
+__all__ = ["MULTIPROCESS_MARKER", "SLOW_ENV", "SLOW_MARKER", "slow_enabled"]
 
-def pytest_addoption(parser: Any) -> None:
-    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+#: The environment variable that runs ``polyparallel_slow`` tests (``POLYPARALLEL_SLOW=1``).
+SLOW_ENV = "POLYPARALLEL_SLOW"
+#: Tests marked with this are skipped unless ``--polyparallel-slow`` or ``POLYPARALLEL_SLOW=1``.
+SLOW_MARKER = "polyparallel_slow"
+#: Tests that start real processes with real collectives.
+MULTIPROCESS_MARKER = "polyparallel_multiprocess"
 
 
-def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "slow: long-running; run with --runslow or POLYPARALLEL_SLOW=1")
-    config.addinivalue_line("markers", "multiprocess: starts real processes with real collectives")
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("polyparallel")
+    group.addoption("--polyparallel-slow", action="store_true", default=False, dest="polyparallel_slow",
+                    help=f"run the tests marked {SLOW_MARKER} (or set {SLOW_ENV}=1)")
 
 
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    if config.getoption("--runslow") or os.environ.get("POLYPARALLEL_SLOW") == "1":
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{SLOW_MARKER}: long-running; run with --polyparallel-slow or {SLOW_ENV}=1")
+    config.addinivalue_line("markers", f"{MULTIPROCESS_MARKER}: starts real processes with real collectives")
+
+
+def slow_enabled(config: pytest.Config) -> bool:
+    """Whether this run includes the ``polyparallel_slow`` tests (``--polyparallel-slow`` or
+    ``POLYPARALLEL_SLOW=1``). A project's ``conftest.py`` can set ``config.option.polyparallel_slow``
+    in ``pytest_configure`` to map an option of its own onto it."""
+    return bool(config.getoption("polyparallel_slow", default=False)) or os.environ.get(SLOW_ENV) == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if slow_enabled(config):
         return
-    skip = pytest.mark.skip(reason="slow: run with --runslow or POLYPARALLEL_SLOW=1")
+    skip = pytest.mark.skip(reason=f"{SLOW_MARKER}: run with --polyparallel-slow or {SLOW_ENV}=1")
     for item in items:
-        if "slow" in item.keywords:
+        # The marker only: a test or class merely *named* like it is not skipped.
+        if item.get_closest_marker(SLOW_MARKER) is not None:
             item.add_marker(skip)
 
 

@@ -1,6 +1,7 @@
 """Ignite's built-in metrics through the adapter: equal to single-process ignite on a data set that
-does not divide over the ranks; the patch is narrow and reversible; a rank that skips a metric
-reduction makes the others fail within the strategy's timeout instead of hanging."""
+does not divide over the ranks (``Frequency`` included); only the engines handed to the adapter
+change, and ``detach`` gives them back as ignite made them; a rank that skips a metric reduction
+makes the others fail within the strategy's timeout instead of hanging."""
 
 import re
 import time
@@ -8,7 +9,6 @@ import time
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 
 import polyparallel as pp
 from polyparallel_ignite import metrics as ignite_metrics_patch
@@ -23,9 +23,31 @@ def _comparable(metrics):
     return {k: (v.tolist() if isinstance(v, torch.Tensor) else float(v)) for k, v in metrics.items()}
 
 
+class _OneSecond:
+    """A clock that always reads one second: ``Frequency`` becomes a pure count."""
+
+    def value(self):
+        return 1.0
+
+
+def _frequency():
+    """ignite's ``Frequency`` (items per second; the items are the batch's targets) on a fixed
+    clock, so its value is ``sum(items) / mean(elapsed)`` = the number of samples counted."""
+    from ignite.metrics import Frequency
+
+    class FixedClockFrequency(Frequency):
+        def reset(self):
+            super().reset()
+            self._timer = _OneSecond()
+
+    return FixedClockFrequency(output_transform=lambda output: len(output[1]))
+
+
 # -- multi-process: data=2 x tensor=2, one launch -----------------------------------------------------------
 def _metrics_worker():
+    import ignite.distributed as idist
     from ignite.engine import create_supervised_evaluator
+    from ignite.metrics import RunningAverage
 
     strategy = pp.Strategy(data=2, tensor=2, timeout=30)
     ignite = strategy.adapt("ignite")
@@ -33,9 +55,16 @@ def _metrics_worker():
     loader = ignite.auto_dataloader(dataset, batch_size=8, remainder="uneven", shuffle=False)
     model = ignite.auto_model(reference_model(0, torch.float64), plan=reference_plan())
     evaluator = ignite.create_supervised_evaluator(model, ignite_metrics(CLASSES), data=loader)
+    # Frequency overrides Metric.completed and runs at every iteration; attached after attach().
+    _frequency().attach(evaluator, "frequency")
+    # RunningAverage reduces in update() (iteration_completed): the average of the world size
+    # its update sees is the size of the world it reduces over.
+    RunningAverage(output_transform=lambda output: torch.tensor(float(idist.get_world_size()))).attach(
+        evaluator, "world_seen")
     with float64_defaults():
         evaluator.run(loader)
         got = _comparable(evaluator.state.metrics)
+        frequency, world_seen = got.pop("frequency"), got.pop("world_seen")
         # By hand, outside an engine: the same reduction through data_group_world().
         accuracy = ignite_metrics()["accuracy"]
         for x, y in loader:
@@ -44,10 +73,12 @@ def _metrics_worker():
             manual = accuracy.compute()
         # A plain ignite evaluator, not attached: ignite's behaviour is untouched (world-wide
         # reduction, so the tensor replicas double count — the problem this plugin fixes).
-        plain = create_supervised_evaluator(model, metrics=ignite_metrics(CLASSES), device=ignite.device)
+        plain = create_supervised_evaluator(model, metrics={**ignite_metrics(CLASSES), "frequency": _frequency()},
+                                            device=ignite.device)
         plain.run(loader)
     return {"rank": strategy.rank, "metrics": got, "manual": manual, "shard": len(loader.sampler),
-            "plain_count": int(plain.state.metrics["confusion"].sum())}
+            "frequency": frequency, "world_seen": world_seen, "plain_count": int(plain.state.metrics["confusion"].sum()),
+            "plain_frequency": plain.state.metrics["frequency"]}
 
 
 @pytest.mark.multiprocess
@@ -66,7 +97,10 @@ def test_builtin_metrics_equal_single_process_on_uneven_data(run):
         assert got["accuracy"] == reference["accuracy"] and got["precision"] == reference["precision"]
         assert got["loss"] == pytest.approx(reference["loss"], rel=1e-12)
         assert r["manual"] == reference["accuracy"]
-        assert r["plain_count"] == 2 * N  # unattached ignite: the world double counts tensor replicas
+        assert r["frequency"] == N, "Frequency must count every sample once, over the data group"
+        assert r["world_seen"] == 2.0, "RunningAverage must reduce over the data group"
+        # unattached ignite: the world double counts tensor replicas
+        assert r["plain_count"] == 2 * N and r["plain_frequency"] == 2 * N
 
 
 # -- fail fast ---------------------------------------------------------------------------------------
@@ -111,38 +145,62 @@ def test_rank_skipping_a_metric_reduction_makes_every_rank_fail_fast(run):
     assert skipper["elapsed"] < timeout + 5 and skipper["axis"] == "data" and "rank 1" in skipper["message"]
 
 
-# -- single process: the patch ---------------------------------------------------------------------------
-def test_patch_is_reversible_and_leaves_other_engines_alone():
-    from ignite.engine import create_supervised_evaluator
-    from ignite.metrics import Metric
+# -- single process: only the engines handed over change ----------------------------------------------
+def _handlers(engine):
+    return {event: [handler for handler, _, _ in entries] for event, entries in engine._event_handlers.items()
+            if entries}  # (ignite's registry is a defaultdict: running it adds empty lists)
 
-    original = Metric.__dict__["completed"]
-    ignite_metrics_patch.uninstall()
-    assert not ignite_metrics_patch.installed() and Metric.__dict__["completed"] is original
-    ignite = pp.Strategy(data=1).adapt("ignite")  # installs
-    assert ignite_metrics_patch.installed() and Metric.__dict__["completed"] is not original
+
+def test_only_attached_engines_change_and_detach_restores_them():
+    from ignite.engine import Events, create_supervised_evaluator
+    from ignite.metrics import Accuracy, Frequency, Metric
+
+    classes = {cls: dict(vars(cls)) for cls in (Metric, Frequency, Accuracy)}
+    ignite = pp.Strategy(data=1).adapt("ignite")
     model = reference_model(0, torch.float64)
     dataset = reference_dataset(N, torch.float64)
     loader = ignite.auto_dataloader(dataset, batch_size=8, remainder="uneven", shuffle=False)
     attached = ignite.create_supervised_evaluator(model, ignite_metrics(CLASSES), data=loader)
+    late = Accuracy()
+    late.attach(attached, "late")  # after attach(): wrapped when the run starts
     plain = create_supervised_evaluator(model, metrics=ignite_metrics(CLASSES))
-    assert ignite_metrics_patch.is_registered(attached) and not ignite_metrics_patch.is_registered(plain)
+    plain_handlers = _handlers(plain)
     with float64_defaults():
         attached.run(loader)
         plain.run(torch.utils.data.DataLoader(dataset, batch_size=8))
     want = _comparable(plain.state.metrics)
-    assert _comparable(attached.state.metrics) == want
-    ignite_metrics_patch.uninstall()
-    assert Metric.__dict__["completed"] is original
+    assert _comparable(attached.state.metrics) == {**want, "late": want["accuracy"]}
+    # ignite's classes are untouched: a plain use of ignite is ignite's own.
+    assert {cls: dict(vars(cls)) for cls in classes} == classes
+    assert _handlers(plain) == plain_handlers and not ignite_metrics_patch.is_registered(plain)
+    # The attached engine's metric handlers are wrapped, and ignite's own queries still see them.
+    completed = attached._event_handlers[Events.EPOCH_COMPLETED]
+    assert all(hasattr(h, "_polyparallel_original") for h, _, _ in completed if hasattr(h, "_parent"))
+    assert late.is_attached(attached) and ignite_metrics_patch.is_registered(attached)
+    ignite.detach(attached)
+    assert not ignite_metrics_patch.is_registered(attached) and late.is_attached(attached)
+    assert not any(hasattr(h, "_polyparallel_original") for hs in _handlers(attached).values() for h in hs)
+    assert not attached.has_event_handler(ignite_metrics_patch._wrap_metrics)
+    late.detach(attached)
+    assert not late.is_attached(attached)
     with float64_defaults():
-        attached.run(loader)  # still bound to the wrapper: behaves as ignite once unregistered
-    assert _comparable(attached.state.metrics) == want
-    ignite_metrics_patch.install()
+        attached.run(loader)  # ignite's behaviour again ("late" is detached: its old value stays)
+    assert {k: v for k, v in _comparable(attached.state.metrics).items() if k != "late"} == want
+
+
+def test_closing_the_session_gives_the_engine_back():
+    from ignite.engine import Engine
+
+    strategy = pp.Strategy(data=1)
+    ignite = strategy.adapt("ignite")
+    engine = ignite.attach(Engine(lambda e, b: b))
+    assert ignite_metrics_patch.is_registered(engine)
+    strategy.session().close()
+    assert not ignite_metrics_patch.is_registered(engine)
 
 
 def test_data_group_model_is_the_world_of_one_process():
     import ignite.distributed as idist
-
     from ignite.distributed import utils as idist_utils
 
     ignite = pp.Strategy(data=1).adapt("ignite")

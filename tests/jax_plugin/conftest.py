@@ -1,4 +1,5 @@
-"""JAX tests: 8 forced CPU devices, the JAX plugin registered explicitly, slow tests opt-in.
+"""JAX tests: 8 forced CPU devices, the JAX plugin registered explicitly (``slow`` tests are
+skipped by the root conftest's rule, as everywhere in the suite).
 
 XLA_FLAGS must be set before jax is first imported, so this conftest sets it at import time
 (pytest imports conftests before the test modules).
@@ -26,22 +27,6 @@ import polyparallel_jax.plugin  # noqa: E402
 if jax.device_count() < 8:  # jax was imported before this conftest (another test folder)
     pytest.skip(f"JAX tests need 8 CPU devices; jax was initialised with {jax.device_count()}. "
                 "Run tests/jax_plugin in its own pytest process.", allow_module_level=True)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``slow`` tests of this folder unless ``--runslow`` or ``POLYPARALLEL_SLOW=1``."""
-    run_slow = os.environ.get("POLYPARALLEL_SLOW") == "1"
-    try:
-        run_slow = run_slow or bool(config.getoption("--runslow"))
-    except ValueError:  # the option is defined by the root conftest, when there is one
-        pass
-    if run_slow:
-        return
-    skip = pytest.mark.skip(reason="slow: pass --runslow or set POLYPARALLEL_SLOW=1")
-    here = os.path.dirname(__file__)
-    for item in items:
-        if "slow" in item.keywords and str(item.fspath).startswith(here):
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

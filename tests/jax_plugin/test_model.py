@@ -93,6 +93,28 @@ def test_progress_bar_prints_final_line_and_can_be_disabled(jax_strategy, capsys
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-device", "data=8"])
+def test_the_users_module_keeps_its_batch_norm_axis_name_and_mode(jax_strategy, parallel):
+    module = small_mlp()
+    module.bn.axis_name = "batch"  # the user's own vmap/pmap axis
+    module.eval()
+    model = Model(module, optimizer=optax.adam(1e-2), metrics=["accuracy"])
+    x, y = dataset(64)
+    model.fit(x, y, epochs=1, batch_size=16, strategy=jax_strategy(data=8) if parallel else None, verbose=0)
+    model.evaluate(x, y, batch_size=16)
+    model.predict(x, batch_size=16)
+    assert module.bn.axis_name == "batch" and module.bn.use_running_average is True
+    # A plain use of flax afterwards: the user's axis synchronises the batch statistics, so two
+    # halves mapped over it normalise like the whole batch at once.
+    module.train()
+    graphdef, state = nnx.split(module)
+    halves = jax.vmap(lambda st, h: nnx.merge(graphdef, st)(h), in_axes=(None, 0),
+                      axis_name="batch")(state, x[:32].reshape(2, 16, -1))
+    whole = nnx.merge(graphdef, state)
+    whole.bn.axis_name = None
+    np.testing.assert_allclose(np.asarray(halves).reshape(32, -1), np.asarray(whole(x[:32])), atol=1e-5)
+
+
 # -- bad input: clear errors before anything is compiled -----------------------------------------
 
 

@@ -154,3 +154,94 @@ def test_hybrid_checkpoints_are_written_once_consolidated_and_resume_exactly(run
         assert param.reshape(-1).double().tolist() == pytest.approx(after_first[name], abs=1e-7), name
     momentum = checkpoint["optimizer_states"][0]["state"][0]["momentum_buffer"]
     assert momentum.shape == (16, 8), "optimizer state of a sharded parameter must be gathered too"
+
+
+# -- nothing outlives the Trainer ------------------------------------------------------------------------
+#: Lightning launches the processes (Trainer(devices=2), its subprocess launcher): rank 0 is this
+#: script, rank 1 a copy Lightning starts. Lightning's own DDP first, then the adapter, then
+#: Lightning's own DDP again; each rank prints what it saw.
+LIGHTNING_LAUNCHED = '''
+import json, os, sys, warnings
+
+import lightning.pytorch as L
+from torch.utils.data import DataLoader
+
+import polyparallel as pp
+from polyparallel_lightning.environment import launched_externally
+from polyparallel_lightning.testing import reference_module_class
+from polyparallel_torch.testing import reference_dataset
+
+KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+module_cls = reference_module_class("lightning.pytorch")
+loader = DataLoader(reference_dataset(16), batch_size=4)
+seen = {}
+
+
+def use(name, strategy):
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        max_epochs=1, limit_train_batches=2)
+    trainer.fit(module_cls(0), loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.validate(module_cls(0), loader, verbose=False)
+    seen[name] = {"env": {k: os.environ.get(k) for k in KEYS}, "filters": [repr(f) for f in warnings.filters],
+                  "launched_externally": launched_externally(), "rank": trainer.global_rank,
+                  "sampler_warnings": sum("DistributedSampler" in str(w.message) for w in caught)}
+
+
+use("plain", "ddp")
+use("adapter", pp.Strategy(data=2, timeout=60).adapt("lightning", namespace="lightning.pytorch"))
+use("plain_after", "ddp")
+sys.stdout.write("RESULT " + json.dumps(seen) + "\\n")
+sys.stdout.flush()
+'''
+
+
+def test_a_plain_trainer_after_the_adapter_sees_what_it_would_without_polyparallel(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "lightning_launched.py"
+    script.write_text(LIGHTNING_LAUNCHED)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    proc = subprocess.run(["timeout", "-k", "10", "300", sys.executable, str(script)], cwd=tmp_path, check=False,
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=330)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    assert sorted(r["plain"]["rank"] for r in results) == [0, 1], "Lightning must start exactly one more process"
+    for seen in results:
+        plain, adapter, after = seen["plain"], seen["adapter"], seen["plain_after"]
+        rank = plain["rank"]
+        # The environment and warning filters after the adapter's run are those after Lightning's own.
+        assert adapter["env"] == plain["env"], f"rank {rank}"
+        assert adapter["filters"] == plain["filters"] == after["filters"], f"rank {rank}"
+        assert after["env"] == plain["env"] and not adapter["launched_externally"] and not after["launched_externally"]
+        assert adapter["env"]["RANK"] is None, "RANK is never Lightning's: polyparallel's left behind"
+        # The adapter silences Lightning's DistributedSampler warning for its own Trainer only.
+        assert adapter["sampler_warnings"] == 0
+        assert plain["sampler_warnings"] == after["sampler_warnings"] == (1 if rank == 0 else 0), f"rank {rank}"
+
+
+def test_warning_filters_are_left_as_they_were():
+    import warnings
+
+    import lightning.pytorch as L
+    from torch.utils.data import DataLoader
+
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+    from polyparallel_torch.testing import reference_dataset
+
+    before = list(warnings.filters)
+    strategy = pp.Strategy(data=1, timeout=30)
+    trainer = make_trainer(strategy, NS, max_epochs=1, limit_train_batches=2)
+    trainer.fit(reference_module_class(NS)(0), DataLoader(reference_dataset(8), batch_size=4))
+    trainer.validate(reference_module_class(NS)(0), DataLoader(reference_dataset(8), batch_size=4), verbose=False)
+    assert warnings.filters == before
+    assert "_resolve_sampler" not in vars(trainer._data_connector), "the Trainer got its data connector back"
+    assert isinstance(trainer, L.Trainer)
