@@ -43,7 +43,14 @@ class NotApplicable(Exception):
 
 # -- (a) sharding ----------------------------------------------------------------------------------
 def check_shards(contract: Results, topology: Topology, dataset_size: int) -> None:
-    """(a) In epochs 0 and 1 the data coordinates' shards partition the ``dataset_size`` samples."""
+    """(a) In epochs 0 and 1 the data coordinates' shards partition the ``dataset_size`` samples,
+    and the driver's shards and training data came through ``strategy.shard_data``."""
+    for r in contract:
+        calls = r.get("shard_data_calls")
+        if calls is not None:  # counted by the kit's own contract() (a driver may replace it)
+            for phase, what in (("shards", "shard_indices()"), ("train", "train()")):
+                assert calls[phase] > 0, (f"rank {r['rank']}: {what} did not shard its data through "
+                                          "strategy.shard_data, so the checks would not test the plugin's sharding")
     for epoch in (0, 1):
         by_data: dict[int, list[int]] = {}
         for r in contract:

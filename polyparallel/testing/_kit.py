@@ -18,6 +18,7 @@ from typing import Any
 
 from .._errors import CollectiveError, LaunchError
 from .._launch import launch
+from .._manager import hookimpl
 from .._strategy import Strategy
 from .._topology import Topology
 
@@ -147,15 +148,19 @@ class ConformanceDriver(abc.ABC):
         (``rank``, ``coords``, ``roles`` and :data:`CONTRACT_KEYS`)."""
         topology = strategy.session().topology
         ranks = self.local_ranks(strategy)
+        start = _counter.calls
         values: dict[str, Any] = {
             "shards": {epoch: self.shard_indices(strategy, epoch) for epoch in (0, 1)},
             "shards_again": self.shard_indices(strategy, 0),
-            "metrics": self.evaluate(strategy),
-            "states": self.sync_states(strategy),
-            "params": self.train(strategy),
         }
+        calls = {"shards": _counter.calls - start}
+        values.update(metrics=self.evaluate(strategy), states=self.sync_states(strategy))
+        start = _counter.calls
+        values["params"] = self.train(strategy)
+        calls["train"] = _counter.calls - start
         return [{"rank": rank, "coords": topology.coords(rank), "roles": sorted(topology.roles(rank)),
-                 **{key: _for_rank(value, rank, key) for key, value in values.items()}} for rank in ranks]
+                 "shard_data_calls": calls, **{key: _for_rank(value, rank, key) for key, value in values.items()}}
+                for rank in ranks]
 
 
 def _for_rank(value: Any, rank: int, what: str) -> Any:
@@ -169,8 +174,28 @@ def _for_rank(value: Any, rank: int, what: str) -> Any:
 
 
 # -- what runs in each launched process ---------------------------------------------------------------
+class _ShardDataCounter:
+    """A hook wrapper counting ``polyparallel_shard_data`` calls in a launched process: the
+    checks require the driver's data to go through ``strategy.shard_data``."""
+
+    calls = 0
+
+    @hookimpl(wrapper=True)
+    def polyparallel_shard_data(self) -> Any:
+        self.calls += 1
+        return (yield)
+
+
+_counter = _ShardDataCounter()  # per process; registered on the bound strategy's plugin manager
+_COUNTER = "polyparallel.testing.shard_data_counter"
+
+
 def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> list[dict[str, Any]]:
-    return driver.contract(driver.bind(strategy))
+    strategy = driver.bind(strategy)
+    manager = strategy.plugin_manager
+    if all(p.name != _COUNTER for p in manager.plugins()):
+        manager.register(_counter, name=_COUNTER)
+    return driver.contract(strategy)
 
 
 def _skip_worker(driver: ConformanceDriver, strategy: Strategy, skipper: int) -> dict[str, Any]:

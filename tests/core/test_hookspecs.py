@@ -109,7 +109,7 @@ class Recorder:
 
     @pp.hookimpl(tryfirst=True)
     def polyparallel_launch(self, fn, strategy, nprocs, args, kwargs, timeout):
-        self.calls.append(("polyparallel_launch", dict(strategy=strategy, nprocs=nprocs, args=args, timeout=timeout)))
+        self.calls.append(("polyparallel_launch", {"strategy": strategy, "nprocs": nprocs, "args": args, "timeout": timeout}))
         return [fn(*args, **kwargs) for _ in range(nprocs)]  # in this process: enough to see it used
 
     @pp.hookimpl(tryfirst=True)
@@ -189,7 +189,7 @@ def _session_finish(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., 
 
 def _launch(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
     assert pp.launch(abs, strategy, 2, args=(-3,), timeout=30) == [3, 3]
-    assert rec.seen("polyparallel_launch") == [dict(strategy=strategy, nprocs=2, args=(-3,), timeout=30)]
+    assert rec.seen("polyparallel_launch") == [{"strategy": strategy, "nprocs": 2, "args": (-3,), "timeout": 30}]
 
 
 def _launch_script(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
@@ -247,6 +247,6 @@ def test_the_core_calls_the_hook(name, manager, monkeypatch, tmp_path):
     manager.register(rec, name="recorder")
     monkeypatch.setattr(cli_module, "get_plugin_manager", lambda: manager)
     runner = CliRunner()
-    invoke = lambda *args: runner.invoke(cli_module.cli, list(args), prog_name="polyparallel")  # noqa: E731
+    invoke = lambda *args: runner.invoke(cli_module.cli, list(args), prog_name="polyparallel")
     strategy = pp.Strategy(data=2, timeout=30, plugin_manager=manager)
     CASES[name](strategy, rec, invoke, tmp_path)

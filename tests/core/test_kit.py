@@ -29,6 +29,7 @@ from polyparallel.testing import ConformanceDriver, PerRank
 #: flaw -> the clause it must (alone) make fail.
 FLAWS = {
     "overlap": "a",      # shard_data gives the first sample of the epoch to every data coordinate
+    "bypass": "a",       # the training data is sharded by hand, not through strategy.shard_data
     "replicas": "b",     # replicas of a data coordinate disagree about the epoch after the first
     "training": "c",     # sync_grads does not average: data replicas train apart
     "missing": "c",      # a pipeline stage returns no parameters (the old kit skipped such ranks)
@@ -42,17 +43,8 @@ LR = 0.05
 
 
 # -- the records runtime ----------------------------------------------------------------------------
-class Records(Sequence):  # type: ignore[type-arg]
-    """An in-memory sequence of samples."""
-
-    def __init__(self, items: Sequence[Any]):
-        self.items = tuple(items)
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.items[i]
-
-    def __len__(self) -> int:
-        return len(self.items)
+class Records(tuple):  # type: ignore[type-arg]
+    """An in-memory sequence of samples (the type the records runtime owns)."""
 
 
 def epoch_order(n: int, data_size: int, seed: int, epoch: int, shuffle: bool, remainder: str) -> list[int]:
@@ -143,7 +135,7 @@ class FileCollectives:
         group, rank = self.session.group_ranks(axis), self.session.rank
         key = f"{axis}-{group[0]}"
         self.sequence[key] = seq = self.sequence.get(key, 0) + 1
-        path = lambda r: os.path.join(self.directory, f"{key}-{seq}-{r}.pkl")  # noqa: E731
+        path = lambda r: os.path.join(self.directory, f"{key}-{seq}-{r}.pkl")
         with open(path(rank) + ".tmp", "wb") as f:
             pickle.dump((operation, value), f)
         os.replace(path(rank) + ".tmp", path(rank))
@@ -305,8 +297,9 @@ class RecordsDriver(ConformanceDriver):
 
     def train(self, strategy: pp.Strategy) -> dict[str, list[float]] | None:  # type: ignore[override]
         xs, ys = kit.reference_data(self.dataset_size)
-        loader = strategy.shard_data(Records(list(zip(xs, ys))), batch_size=self.global_batch, remainder="pad",
-                                     shuffle=True)
+        records, policy = Records(zip(xs, ys)), pp.DataPolicy(batch_size=self.global_batch, shuffle=True, remainder="pad")
+        loader = (Loader(records, strategy.session(), policy, strategy.seed, None) if self.flaw == "bypass" else
+                  strategy.shard_data(records, batch_size=self.global_batch, remainder="pad", shuffle=True))
         model = strategy.wrap_model(LinearModel(seed=strategy.seed))
         data_size = strategy.session().topology.size("data")
         step, epoch = 0, 0
@@ -420,8 +413,8 @@ class _NeverLaunches(RecordsDriver):
 
 
 @pytest.mark.parametrize("sizes, nprocs, world", [
-    (dict(pipeline=2, data=1), 2, 2),   # the old kit's pipeline suites: nothing was asserted
-    (dict(data=4, tensor=2), 1, 8),     # one process drives every rank (JAX devices)
+    ({"pipeline": 2, "data": 1}, 2, 2),   # the old kit's pipeline suites: nothing was asserted
+    ({"data": 4, "tensor": 2}, 1, 8),     # one process drives every rank (JAX devices)
 ])
 def test_skipped_collective_is_not_applicable_without_a_peer_in_another_process(sizes, nprocs, world):
     strategy = pp.Strategy(**sizes, timeout=2.0, plugin_manager=records_manager(None))

@@ -17,4 +17,4 @@ from polyparallel_jax.launch import launch_processes
 def test_failing_process_raises_launch_error_naming_it():
     # Topology(data="two") raises TopologyError in every process, after jax.distributed joined.
     with pytest.raises(pp.LaunchError, match=r"JAX process [01] of 2 failed(.|\n)*TopologyError"):
-        launch_processes(pp.Topology, 2, kwargs=dict(data="two"), timeout=90)
+        launch_processes(pp.Topology, 2, kwargs={"data": "two"}, timeout=90)
