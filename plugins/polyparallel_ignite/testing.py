@@ -20,7 +20,7 @@ from polyparallel.testing import ConformanceDriver
 from polyparallel_torch.testing import (LR, fill_states, ghost_batch_reference, local_states, reference_dataset,
                                         reference_model, reference_plan, stage_params)
 
-__all__ = ["IgniteDriver", "float64_defaults", "reference_metrics", "ignite_metrics"]
+__all__ = ["IgniteDriver", "float64_defaults", "ignite_metrics", "reference_metrics"]
 
 
 @contextlib.contextmanager

@@ -18,8 +18,17 @@ from polyparallel.testing import ConformanceDriver, reference_data
 from .data import TopologySampler
 from .model import full_state, unwrap
 
-__all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference",
-           "flat_params", "local_states", "stage_params", "fill_states"]
+__all__ = [
+    "TorchDriver",
+    "fill_states",
+    "flat_params",
+    "ghost_batch_reference",
+    "local_states",
+    "reference_dataset",
+    "reference_model",
+    "reference_plan",
+    "stage_params",
+]
 
 FEATURES, HIDDEN, CLASSES, LR = 8, 16, 4, 0.1
 
