@@ -17,10 +17,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
-from polyparallel_torch.testing import (LR, flat_params, ghost_batch_reference, local_states, reference_dataset,
-                                        reference_model, reference_plan)
+from polyparallel_torch.testing import (LR, fill_states, ghost_batch_reference, local_states, reference_dataset,
+                                        reference_model, reference_plan, stage_params)
 
-__all__ = ["IgniteDriver", "float64_defaults", "reference_metrics", "ignite_metrics"]
+__all__ = ["IgniteDriver", "float64_defaults", "ignite_metrics", "reference_metrics"]
 
 
 @contextlib.contextmanager
@@ -69,7 +69,8 @@ def _inner(model: nn.Module) -> nn.Module:
 
 
 class IgniteDriver(ConformanceDriver):
-    """Ignite engines through ``strategy.adapt("ignite")`` (data, data x tensor, pipeline)."""
+    """Ignite engines through ``strategy.adapt("ignite")`` (data, data x tensor, pipeline x data;
+    every loader comes from ``auto_dataloader``, i.e. ``strategy.shard_data``)."""
 
     target = "ignite"
     # Every axis alone is supported; the capabilities exclude pipeline x tensor.
@@ -100,15 +101,7 @@ class IgniteDriver(ConformanceDriver):
         optimizer = ignite.auto_optim(torch.optim.SGD(model.parameters(), lr=LR), model)
         trainer = ignite.create_supervised_trainer(model, optimizer, nn.functional.cross_entropy, data=loader)
         trainer.run(loader, max_iters=self.steps)
-        return self._full_params(model)
-
-    def _full_params(self, model: nn.Module) -> dict[str, list[float]]:
-        from polyparallel_torch.pipeline import PipelineModel
-
-        if not isinstance(model, PipelineModel):
-            return flat_params(model)
-        names = {n for n, _ in reference_model().named_parameters()}
-        return {k: v.reshape(-1).double().tolist() for k, v in model.gather_state().items() if k in names}
+        return stage_params(model)  # a pipeline stage: its own stage's parameters
 
     def train_reference(self, data_size: int) -> dict[str, list[float]]:
         return ghost_batch_reference(self.steps, self.global_batch, data_size, 0, self.dataset_size)
@@ -130,15 +123,7 @@ class IgniteDriver(ConformanceDriver):
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         ignite = strategy.adapt("ignite")
         inner = _inner(ignite.auto_model(reference_model(strategy.seed), **_options(strategy)))
-        rank = strategy.session().rank
-        with torch.no_grad():
-            for name, t in local_states(inner):
-                if name.endswith("running_mean"):
-                    t.fill_(float(rank))
-                elif name.endswith("running_var"):
-                    t.fill_(1.0 + rank)
-                elif name.endswith("bias"):
-                    t.fill_(10.0 + rank)
+        fill_states(inner, strategy.session().rank)
         before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         strategy.sync_states(inner)
         after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}

@@ -65,20 +65,28 @@ def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwar
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                  for i in range(nprocs)]
         deadline = time.monotonic() + timeout
+
+        def failed_process() -> int | None:
+            # A process that wrote its result (before the final barrier) has succeeded even if it
+            # died afterwards: once process 0 exits, the coordination service is gone and a peer
+            # still on its way to os._exit may be aborted by JAX's error poller (seen under load).
+            return next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)
+                         and not os.path.exists(os.path.join(tmp, f"result_{i}.pkl"))), None)
+
         failed: int | None = None
         try:
             while any(p.poll() is None for p in procs):
-                failed = next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+                failed = failed_process()
                 if failed is not None or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-            failed = failed if failed is not None else next((i for i, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+            failed = failed if failed is not None else failed_process()
         finally:
             for p in procs:  # only the processes started here
                 if p.poll() is None:
                     p.kill()
             outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
-        if failed is None and any(p.returncode != 0 for p in procs):
+        if failed is None and not all(os.path.exists(os.path.join(tmp, f"result_{i}.pkl")) for i in range(nprocs)):
             raise pp.LaunchError(f"JAX processes did not finish within {timeout:g} s; killed. Output of process 0:\n"
                                  f"{outputs[0][-3000:]}", rank=None, traceback=outputs[0])
         if failed is not None:
@@ -98,8 +106,10 @@ def _child(tmp: str, process_id: int) -> int:
         with open(os.path.join(tmp, "job.pkl"), "rb") as f:
             fn, args, kwargs = pickle.load(f)
         result = fn(*args, **kwargs)
-        with open(os.path.join(tmp, f"result_{process_id}.pkl"), "wb") as f:
+        path = os.path.join(tmp, f"result_{process_id}.pkl")
+        with open(path + ".tmp", "wb") as f:
             pickle.dump(result, f)
+        os.replace(path + ".tmp", path)  # whole or absent: the launcher treats it as success
         _barrier("polyparallel-jax-done")
         return 0
     except BaseException:

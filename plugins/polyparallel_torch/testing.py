@@ -18,8 +18,17 @@ from polyparallel.testing import ConformanceDriver, reference_data
 from .data import TopologySampler
 from .model import full_state, unwrap
 
-__all__ = ["TorchDriver", "reference_model", "reference_dataset", "reference_plan", "ghost_batch_reference",
-           "flat_params", "local_states"]
+__all__ = [
+    "TorchDriver",
+    "fill_states",
+    "flat_params",
+    "ghost_batch_reference",
+    "local_states",
+    "reference_dataset",
+    "reference_model",
+    "reference_plan",
+    "stage_params",
+]
 
 FEATURES, HIDDEN, CLASSES, LR = 8, 16, 4, 0.1
 
@@ -87,14 +96,41 @@ def ghost_batch_reference(steps: int, global_batch: int, data_size: int, seed: i
     return flat_params(model)
 
 
+def stage_params(model: nn.Module) -> dict[str, list[float]]:
+    """The parameters this rank holds: its own stage's for a pipeline (under their names in the
+    unsplit model), else the full (gathered) parameters."""
+    from .pipeline import PipelineModel
+
+    if isinstance(model, PipelineModel):
+        return {n: p.detach().reshape(-1).double().tolist() for n, p in model.stage.named_parameters()}
+    return flat_params(model)
+
+
+def fill_states(module: nn.Module, rank: int) -> None:
+    """Give ``module``'s BatchNorm statistics and biases values that differ between ranks."""
+    with torch.no_grad():
+        for name, t in local_states(module):
+            if name.endswith("running_mean"):
+                t.fill_(float(rank))
+            elif name.endswith("running_var"):
+                t.fill_(1.0 + rank)
+            elif name.endswith("bias"):
+                t.fill_(10.0 + rank)
+
+
 class TorchDriver(ConformanceDriver):
-    """Plain PyTorch through ``Strategy.shard_data/wrap_model/sync_grads/reduce_metrics/sync_states``."""
+    """Plain PyTorch through ``Strategy.shard_data/wrap_model/sync_grads/reduce_metrics/sync_states``
+    (data, data x tensor, and pipeline x data with ``PipelineModel.train_step``/``eval_step``)."""
 
     target = "torch"
     unsupported = (pp.Topology(pipeline=2, tensor=2),)
 
-    def _plan(self, strategy: pp.Strategy) -> dict[str, Any]:
-        return {"plan": reference_plan()} if strategy.topology.size("tensor") != 1 else {}
+    def _options(self, strategy: pp.Strategy) -> dict[str, Any]:
+        topology = strategy.session().topology
+        if topology.size("pipeline") > 1:
+            # One micro-batch: BatchNorm then sees each replica's whole batch, as the reference.
+            return {"microbatches": 1, "loss_fn": nn.functional.cross_entropy}
+        return {"plan": reference_plan()} if topology.size("tensor") != 1 else {}
 
     def shard_indices(self, strategy: pp.Strategy, epoch: int) -> list[int]:
         n = self.dataset_size
@@ -104,39 +140,50 @@ class TorchDriver(ConformanceDriver):
         return [int(i) for (batch,) in loader for i in batch]
 
     def train(self, strategy: pp.Strategy) -> dict[str, list[float]]:
+        from .pipeline import PipelineModel
+
         ds = reference_dataset(self.dataset_size)
         loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="pad", shuffle=True)
-        model = strategy.wrap_model(reference_model(strategy.seed), **self._plan(strategy))
+        model = strategy.wrap_model(reference_model(strategy.seed), **self._options(strategy))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         step = 0
         while step < self.steps:
             for x, y in loader:  # the sampler advances the epoch by itself
                 if len(y) * strategy.session().topology.size("data") != self.global_batch:
                     continue  # a short last batch: the reference skips it too
-                loss = nn.functional.cross_entropy(model(x), y)
                 opt.zero_grad()
-                loss.backward()
-                strategy.sync_grads(model)  # a documented no-op under DDP: it reduced in backward
+                if isinstance(model, PipelineModel):
+                    model.train_step(x, y)  # every stage, the same batch (replicas of one data coordinate)
+                else:
+                    nn.functional.cross_entropy(model(x), y).backward()
+                strategy.sync_grads(model)  # DDP: a documented no-op (it reduced in backward)
                 opt.step()
                 step += 1
                 if step == self.steps:
                     break
-        return flat_params(model)
+        return stage_params(model)
 
     def train_reference(self, data_size: int) -> dict[str, list[float]]:
         return ghost_batch_reference(self.steps, self.global_batch, data_size, 0, self.dataset_size)
 
     def evaluate(self, strategy: pp.Strategy) -> dict[str, float] | None:
+        from .pipeline import PipelineModel
+
         ds = reference_dataset(self.dataset_size, torch.float64)
         loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="uneven", shuffle=False)
-        model = strategy.wrap_model(reference_model(strategy.seed, torch.float64), **self._plan(strategy)).eval()
+        model = strategy.wrap_model(reference_model(strategy.seed, torch.float64), **self._options(strategy)).eval()
+        pipeline = isinstance(model, PipelineModel)
         total, correct, count = 0.0, 0, 0
         with torch.no_grad():
             for x, y in loader:
-                logits = model(x)
+                logits = model.eval_step(x) if pipeline else model(x)
+                if logits is None:
+                    continue  # not the last stage: the outputs live there
                 total += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
                 correct += int((logits.argmax(-1) == y).sum())
                 count += len(y)
+        if pipeline and not model.is_last:
+            return None  # its data group (the other first-stage ranks) holds no metrics either
         return strategy.reduce_metrics({"loss": pp.Mean(total, count), "accuracy": pp.Mean(correct, count)})
 
     def evaluate_reference(self) -> dict[str, float]:
@@ -148,15 +195,11 @@ class TorchDriver(ConformanceDriver):
                 "accuracy": float((logits.argmax(-1) == y).double().mean())}
 
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
-        model = strategy.wrap_model(reference_model(strategy.seed), **self._plan(strategy))
-        inner = unwrap(model)
-        rank = strategy.session().rank
-        with torch.no_grad():
-            bn = inner[3]
-            bn.running_mean.fill_(float(rank))
-            bn.running_var.fill_(1.0 + rank)
-            head = inner[5]
-            head.bias.fill_(10.0 + rank)
+        from .pipeline import PipelineModel
+
+        model = strategy.wrap_model(reference_model(strategy.seed), **self._options(strategy))
+        inner = model.stage if isinstance(model, PipelineModel) else unwrap(model)
+        fill_states(inner, strategy.session().rank)
         before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
         strategy.sync_states(model)
         after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}

@@ -2,25 +2,31 @@
 
 A plugin author writes a :class:`ConformanceDriver` (the framework-specific half: build the
 reference problem in the framework, train it, evaluate it, sync its states) and subclasses
-:class:`ConformanceSuite` once per topology. The kit launches the processes, runs the driver in
-each, and checks the results against the contract in DESIGN.md and a single-process reference.
-Everything here is framework-free.
+:class:`ConformanceSuite` once per topology. The kit launches the processes (through the
+driver, so a runtime whose processes drive several ranks can launch its own way), runs the
+driver in each, and checks the per-rank results against the contract and a single-process
+reference (:mod:`polyparallel.testing._checks`). Everything here is framework-free.
 """
 
 from __future__ import annotations
 
 import abc
-import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
-from .._errors import CollectiveError, UnsupportedTopologyError
+from .._errors import CollectiveError, LaunchError
 from .._launch import launch
+from .._manager import hookimpl
 from .._strategy import Strategy
 from .._topology import Topology
 
-__all__ = ["ConformanceDriver", "reference_data", "run_contract", "run_skipped_collective", "check_states"]
+__all__ = ["ConformanceDriver", "PerRank", "bind_plugin_manager", "reference_data", "run_contract",
+           "run_skipped_collective"]
+
+#: What :meth:`ConformanceDriver.contract` reports for each rank.
+CONTRACT_KEYS = ("shards", "shards_again", "metrics", "states", "params")
 
 
 def reference_data(n: int, features: int = 8, classes: int = 4, seed: int = 0) -> tuple[list[list[float]], list[int]]:
@@ -35,6 +41,22 @@ def reference_data(n: int, features: int = 8, classes: int = 4, seed: int = 0) -
     return xs, ys
 
 
+class PerRank(dict):  # type: ignore[type-arg]
+    """A driver result that differs between the ranks one process runs: ``rank -> value``.
+
+    Return it from a driver method when a process drives several ranks (JAX: one process, many
+    devices); a plain return value is taken as the value of every rank of the process.
+    """
+
+
+def bind_plugin_manager(strategy: Strategy, plugin_manager: Any) -> Strategy:
+    """``strategy`` (same value) dispatching through ``plugin_manager``: what a driver's
+    :meth:`~ConformanceDriver.bind` returns to test a plugin registered on its own
+    ``PluginManager(autoload=False)`` (a pickled strategy arrives without its manager)."""
+    _, (values,) = strategy.__reduce__()
+    return Strategy(**values, plugin_manager=plugin_manager)
+
+
 class ConformanceDriver(abc.ABC):
     """The framework-specific half of the conformance kit. Instances are pickled into each
     launched process, so keep them small and their classes importable.
@@ -42,6 +64,9 @@ class ConformanceDriver(abc.ABC):
     The reference problem: :func:`reference_data` with :attr:`dataset_size` samples (chosen not
     to divide over 2, 4 or 8 ranks), an MLP with a BatchNorm layer, :attr:`global_batch`
     samples a step summed over data-parallel ranks, :attr:`steps` optimizer steps of SGD.
+
+    The methods marked "in a launched process" answer for the rank of their process; a process
+    that drives several ranks (:meth:`local_ranks`) returns a :class:`PerRank` where ranks differ.
     """
 
     #: The runtime or adapter name whose capabilities the suite checks (``"torch"``).
@@ -51,16 +76,23 @@ class ConformanceDriver(abc.ABC):
     steps: int = 4
     #: Topologies the plugin declared it cannot run (checked: refused before launch).
     unsupported: tuple[Topology, ...] = ()
+    #: Seconds a launch may take besides the collectives themselves (starting the processes,
+    #: importing the framework, compiling): the skipped-collective launch is bounded by
+    #: ``3 * strategy.timeout + startup_seconds``.
+    startup_seconds: float = 60.0
 
     @abc.abstractmethod
     def shard_indices(self, strategy: Strategy, epoch: int) -> list[int]:
         """In a launched process: the sample indices this rank sees in ``epoch``, in order,
-        through the framework's own data path (sharded with ``remainder="uneven"``)."""
+        through the framework's own data path (``strategy.shard_data``, ``remainder="uneven"``)."""
 
     @abc.abstractmethod
     def train(self, strategy: Strategy) -> dict[str, list[float]]:
-        """In a launched process: train :attr:`steps` steps; return the *full* parameters
-        (tensor-parallel shards gathered) as name -> flat list of floats."""
+        """In a launched process: train :attr:`steps` steps; return the parameters this rank
+        holds as name -> flat list of floats: the *full* parameters (tensor-parallel shards
+        gathered); a pipeline stage returns its own stage's parameters under their names in the
+        reference model. Every rank must return some, and every pipeline group (one model
+        replica) must cover the reference model."""
 
     @abc.abstractmethod
     def train_reference(self, data_size: int) -> dict[str, list[float]]:
@@ -72,7 +104,7 @@ class ConformanceDriver(abc.ABC):
     def evaluate(self, strategy: Strategy) -> dict[str, float] | None:
         """In a launched process: evaluate the (untrained, seeded) model on the data set sharded
         ``uneven`` and return the metrics reduced through the framework (``None`` on ranks that
-        hold no metrics)."""
+        hold no metrics: those without the ``metrics`` role)."""
 
     @abc.abstractmethod
     def evaluate_reference(self) -> dict[str, float]:
@@ -80,8 +112,9 @@ class ConformanceDriver(abc.ABC):
 
     @abc.abstractmethod
     def sync_states(self, strategy: Strategy) -> dict[str, dict[str, Any]]:
-        """In a launched process: give the states rank-dependent values, sync them, and return
-        ``name -> {"action": mean|broadcast|local, "before": [floats], "after": [floats]}``."""
+        """In a launched process: give the states values that differ between data replicas,
+        sync them, and return ``name -> {"action": mean|broadcast|local, "before": [floats],
+        "after": [floats]}``."""
 
     def skip_collective(self, strategy: Strategy, skip: bool) -> None:
         """In a launched process: take part in a metric reduction, or (``skip``) not. The default
@@ -89,67 +122,131 @@ class ConformanceDriver(abc.ABC):
         if not skip:
             strategy.reduce_metrics({"loss": 1.0})
 
+    # -- how the kit runs the driver (override where the framework differs) ---------------------
+    def bind(self, strategy: Strategy) -> Strategy:
+        """In a launched process, first: the strategy the driver's methods get there. The default
+        keeps the process's default plugin manager; return :func:`bind_plugin_manager` to test a
+        plugin registered on a manager of its own."""
+        return strategy
+
+    def launch(self, fn: Callable[..., Any], strategy: Strategy, nprocs: int, *, args: tuple[Any, ...],
+               timeout: float, world_size: int) -> list[Any]:
+        """Run ``fn(*args)`` in ``nprocs`` processes that together run ``world_size`` ranks;
+        return the results by process. The default is :func:`polyparallel.launch` (one rank per
+        process); a runtime whose processes drive several ranks (devices) overrides it."""
+        if world_size != nprocs:
+            raise ValueError(f"{type(self).__name__} runs one rank per process, but the suite asks for "
+                             f"{world_size} ranks on {nprocs} processes: override launch() and local_ranks().")
+        return launch(fn, strategy, nprocs, args=args, timeout=timeout)
+
+    def local_ranks(self, strategy: Strategy) -> list[int]:
+        """In a launched process: the ranks this process runs (default: its session's rank)."""
+        return [strategy.session().rank]
+
+    def contract(self, strategy: Strategy) -> list[dict[str, Any]]:
+        """In a launched process: one dict per local rank with the results the checks compare
+        (``rank``, ``coords``, ``roles`` and :data:`CONTRACT_KEYS`)."""
+        topology = strategy.session().topology
+        ranks = self.local_ranks(strategy)
+        start = _counter.calls
+        values: dict[str, Any] = {
+            "shards": {epoch: self.shard_indices(strategy, epoch) for epoch in (0, 1)},
+            "shards_again": self.shard_indices(strategy, 0),
+        }
+        calls = {"shards": _counter.calls - start}
+        values.update(metrics=self.evaluate(strategy), states=self.sync_states(strategy))
+        start = _counter.calls
+        values["params"] = self.train(strategy)
+        calls["train"] = _counter.calls - start
+        return [{"rank": rank, "coords": topology.coords(rank), "roles": sorted(topology.roles(rank)),
+                 "shard_data_calls": calls, **{key: _for_rank(value, rank, key) for key, value in values.items()}}
+                for rank in ranks]
+
+
+def _for_rank(value: Any, rank: int, what: str) -> Any:
+    if isinstance(value, PerRank):
+        if rank not in value:
+            raise AssertionError(f"the driver's {what} has no value for rank {rank} (it has {sorted(value)})")
+        return value[rank]
+    if what == "shards":  # epoch -> indices, each possibly per rank
+        return {epoch: _for_rank(v, rank, what + f"[{epoch}]") for epoch, v in value.items()}
+    return value
+
 
 # -- what runs in each launched process ---------------------------------------------------------------
-def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> dict[str, Any]:
-    session = strategy.session()
-    return {
-        "rank": session.rank,
-        "coords": session.coords,
-        "roles": sorted(session.roles),
-        "shards": {epoch: driver.shard_indices(strategy, epoch) for epoch in (0, 1)},
-        "shards_again": driver.shard_indices(strategy, 0),
-        "metrics": driver.evaluate(strategy),
-        "states": driver.sync_states(strategy),
-        "params": driver.train(strategy),
-    }
+class _ShardDataCounter:
+    """A hook wrapper counting ``polyparallel_shard_data`` calls in a launched process: the
+    checks require the driver's data to go through ``strategy.shard_data``."""
+
+    calls = 0
+
+    @hookimpl(wrapper=True)
+    def polyparallel_shard_data(self) -> Any:
+        self.calls += 1
+        return (yield)
+
+
+_counter = _ShardDataCounter()  # per process; registered on the bound strategy's plugin manager
+_COUNTER = "polyparallel.testing.shard_data_counter"
+
+
+def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> list[dict[str, Any]]:
+    strategy = driver.bind(strategy)
+    manager = strategy.plugin_manager
+    if all(p.name != _COUNTER for p in manager.plugins()):
+        manager.register(_counter, name=_COUNTER)
+    return driver.contract(strategy)
 
 
 def _skip_worker(driver: ConformanceDriver, strategy: Strategy, skipper: int) -> dict[str, Any]:
-    rank = strategy.session().rank
+    strategy = driver.bind(strategy)
+    ranks = driver.local_ranks(strategy)
+    skip = skipper in ranks
     start = time.monotonic()
     try:
-        driver.skip_collective(strategy, skip=rank == skipper)
+        driver.skip_collective(strategy, skip=skip)
     except CollectiveError as exc:
-        return {"rank": rank, "outcome": "raised", "type": type(exc).__name__, "message": str(exc),
-                "operation": exc.operation, "axis": exc.axis, "error_rank": exc.rank,
+        return {"ranks": ranks, "skipped": skip, "outcome": "raised", "type": type(exc).__name__,
+                "message": str(exc), "operation": exc.operation, "axis": exc.axis, "error_rank": exc.rank,
                 "elapsed": time.monotonic() - start}
-    if rank == skipper:
+    if skip:
         # Stay alive for a while, as a rank busy elsewhere would, so peers hit the timeout.
         time.sleep(strategy.timeout + 2)
-    return {"rank": rank, "outcome": "completed", "elapsed": time.monotonic() - start}
+    return {"ranks": ranks, "skipped": skip, "outcome": "completed", "elapsed": time.monotonic() - start}
 
 
-def run_contract(driver: ConformanceDriver, strategy: Strategy, nprocs: int, timeout: float = 240) -> list[dict[str, Any]]:
-    """Launch ``nprocs`` processes and collect every rank's results for the contract checks."""
-    return launch(_contract_worker, strategy, nprocs, args=(driver, strategy), timeout=timeout)
+def run_contract(driver: ConformanceDriver, strategy: Strategy, nprocs: int, timeout: float = 240,
+                 world_size: int | None = None) -> list[dict[str, Any]]:
+    """Launch ``nprocs`` processes (``world_size`` ranks; default one per process) and collect
+    every rank's results for the contract checks, ordered by rank."""
+    world = nprocs if world_size is None else world_size
+    per_process = driver.launch(_contract_worker, strategy, nprocs, args=(driver, strategy), timeout=timeout,
+                                world_size=world)
+    results = [r for records in per_process for r in records]
+    ranks = sorted(r["rank"] for r in results)
+    assert ranks == list(range(world)), (
+        f"the driver reported ranks {ranks}; expected each of 0..{world - 1} exactly once "
+        "(local_ranks() must name every rank of its process)")
+    return sorted(results, key=lambda r: r["rank"])
 
 
-def run_skipped_collective(driver: ConformanceDriver, strategy: Strategy, nprocs: int) -> list[dict[str, Any]]:
-    """Launch with the last rank skipping a collective; collect what every rank saw."""
-    return launch(_skip_worker, strategy, nprocs, args=(driver, strategy, nprocs - 1),
-                  timeout=3 * strategy.timeout + 60)
+def skipping_rank(world_size: int) -> int:
+    """The rank whose process skips the collective: the last one."""
+    return world_size - 1
 
 
-# -- checks ---------------------------------------------------------------------------------------------
-def check_states(results: list[dict[str, Any]], topology: Topology, tol: float = 1e-6) -> None:
-    """Assert that every state followed its action over the data group of each rank."""
-    by_rank = {r["rank"]: r for r in results}
-    for r in results:
-        peers = topology.group_of(r["rank"], "data")
-        for name, state in r["states"].items():
-            action, after = state["action"], state["after"]
-            if action == "local":
-                expected = state["before"]
-            elif action == "broadcast":
-                expected = by_rank[peers[0]]["states"][name]["before"]
-            else:
-                befores = [by_rank[p]["states"][name]["before"] for p in peers]
-                expected = [sum(v) / len(v) for v in zip(*befores)]
-            _close(after, expected, tol, f"state {name!r} ({action}) on rank {r['rank']}")
-
-
-def _close(got: list[float], want: list[float], tol: float, what: str) -> None:
-    assert len(got) == len(want), f"{what}: {len(got)} values, expected {len(want)}"
-    worst = max((abs(g - w) / max(1.0, abs(w)) for g, w in zip(got, want)), default=0.0)
-    assert worst <= tol, f"{what}: differs by {worst:.3g} (tolerance {tol:g})"
+def run_skipped_collective(driver: ConformanceDriver, strategy: Strategy, nprocs: int,
+                           world_size: int | None = None) -> list[dict[str, Any]]:
+    """Launch with the process of the last rank skipping a collective; collect what every
+    process saw. A launch that does not finish in time (a peer waited past the strategy's
+    timeout) is an ``AssertionError``: the collective was not bounded."""
+    world = nprocs if world_size is None else world_size
+    limit = 3 * strategy.timeout + driver.startup_seconds
+    try:
+        return driver.launch(_skip_worker, strategy, nprocs, args=(driver, strategy, skipping_rank(world)),
+                             timeout=limit, world_size=world)
+    except LaunchError as exc:
+        raise AssertionError(
+            f"with rank {skipping_rank(world)} skipping a collective, the launch did not complete within "
+            f"{limit:g} s ({3 * strategy.timeout:g} s of collectives + {driver.startup_seconds:g} s to start): the "
+            f"peers did not fail within the strategy's timeout of {strategy.timeout:g} s. {exc}") from exc

@@ -1,22 +1,26 @@
 """``polyparallel/hookspecs.py``: a meta-test of the plugin contract.
 
 It fails when a hook is added without documentation (parameters, return meaning, firstresult
-behaviour) or without a test that names it somewhere under ``tests/``.
+behaviour), or without a case in :data:`CASES` proving that the core calls it: a recording plugin
+implements every hook, and each case goes through the public path that should call the hook
+(``Strategy.shard_data`` -> ``polyparallel_shard_data``, ``polyparallel launch`` ->
+``polyparallel_launch_script``, ...) and checks the hook's arguments and that its answer is used.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import re
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 import polyparallel as pp
+from polyparallel import cli as cli_module
 from polyparallel import hookspecs
-
-TESTS = Path(__file__).resolve().parents[1]
 
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if hasattr(fn, "polyparallel_spec")}
 FIVE_OPERATIONS = ("shard_data", "wrap_model", "sync_grads", "reduce_metrics", "sync_states")
@@ -58,14 +62,191 @@ def test_spec_is_documented(name):
         assert "Stops at first non-None result" in doc, f"{name} is firstresult but its docstring does not say so"
 
 
-@functools.cache
-def _test_sources() -> dict[Path, str]:
-    this = Path(__file__).resolve()
-    return {path: path.read_text(encoding="utf-8") for path in TESTS.rglob("*.py") if path.resolve() != this}
+# -- every hook is called by the core, through its public path -------------------------------------------
+class Subject:
+    """An object only the recording plugin owns."""
+
+
+class Recorder:
+    """Implements every hook; records each call (hook name, arguments) and answers so that the
+    caller's result shows the answer was used."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def seen(self, hook: str) -> list[dict[str, Any]]:
+        return [kwargs for name, kwargs in self.calls if name == hook]
+
+    @pp.hookimpl
+    def polyparallel_register_adapters(self, register):
+        self.calls.append(("polyparallel_register_adapters", {}))
+        register("recorded", lambda strategy, **kw: ("adapted", strategy, kw),
+                 capabilities=pp.Capabilities("recorded", axes={"data"}), description="records calls")
+
+    @pp.hookimpl
+    def polyparallel_capabilities(self):
+        self.calls.append(("polyparallel_capabilities", {}))
+        return pp.Capabilities("recorded-runtime", axes={"data"})
+
+    @pp.hookimpl
+    def polyparallel_register_demos(self, register):
+        self.calls.append(("polyparallel_register_demos", {}))
+        register("recorded", lambda strategy, nprocs: {"framework": "recorded", "topology": repr(strategy.topology),
+                                                       "final_loss": 0.5, "accuracy": 0.9, "step_time_ms": 1.0})
+
+    @pp.hookimpl(tryfirst=True)
+    def polyparallel_process_info(self, strategy):
+        self.calls.append(("polyparallel_process_info", {"strategy": strategy}))
+        return pp.ProcessInfo(rank=1, world_size=2, local_rank=1)
+
+    @pp.hookimpl
+    def polyparallel_session_start(self, session):
+        self.calls.append(("polyparallel_session_start", {"session": session}))
+
+    @pp.hookimpl
+    def polyparallel_session_finish(self, session):
+        self.calls.append(("polyparallel_session_finish", {"session": session}))
+
+    @pp.hookimpl(tryfirst=True)
+    def polyparallel_launch(self, fn, strategy, nprocs, args, kwargs, timeout):
+        self.calls.append(("polyparallel_launch", {"strategy": strategy, "nprocs": nprocs, "args": args, "timeout": timeout}))
+        return [fn(*args, **kwargs) for _ in range(nprocs)]  # in this process: enough to see it used
+
+    @pp.hookimpl(tryfirst=True)
+    def polyparallel_launch_script(self, command, options):
+        self.calls.append(("polyparallel_launch_script", {"command": command, "options": options}))
+        return 7
+
+    def _operation(self, hook: str, subject: Any, **kwargs: Any) -> Any:
+        if not isinstance(subject, Subject):
+            return None
+        self.calls.append((hook, {"subject": subject, **kwargs}))
+        return (hook, subject)
+
+    @pp.hookimpl
+    def polyparallel_shard_data(self, strategy, session, data, policy):
+        return self._operation("polyparallel_shard_data", data, policy=policy, session=session)
+
+    @pp.hookimpl
+    def polyparallel_wrap_model(self, strategy, session, model, options):
+        return self._operation("polyparallel_wrap_model", model, options=options)
+
+    @pp.hookimpl
+    def polyparallel_sync_grads(self, strategy, session, target):
+        return self._operation("polyparallel_sync_grads", target)
+
+    @pp.hookimpl
+    def polyparallel_reduce_metrics(self, strategy, session, metrics):
+        return self._operation("polyparallel_reduce_metrics", metrics.get("m"), metrics=metrics)
+
+    @pp.hookimpl
+    def polyparallel_sync_states(self, strategy, session, states):
+        return self._operation("polyparallel_sync_states", states)
+
+
+#: (strategy on a manager holding the recorder, the recorder, run the CLI on that manager, a temporary folder)
+Case = Callable[[pp.Strategy, Recorder, Callable[..., Any], Path], None]
+
+
+def _adapters(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    assert strategy.adapt("recorded", option=1) == ("adapted", strategy, {"option": 1})
+    assert rec.seen("polyparallel_register_adapters")
+    listing = json.loads(invoke("plugins", "--json").output)
+    assert [p["adapters"] for p in listing if p["name"] == "recorder"] == [["recorded"]]
+
+
+def _capabilities(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    strategy.replace(data=1).check("recorded-runtime")
+    assert rec.seen("polyparallel_capabilities")
+    with pytest.raises(pp.UnsupportedTopologyError, match="recorded-runtime"):
+        strategy.replace(data=1, tensor=2).check("recorded-runtime")
+
+
+def _demos(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    result = invoke("demo", "--only", "recorded", "--nprocs", "1", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output[result.output.index("["):])[0]["final_loss"] == 0.5
+    assert rec.seen("polyparallel_register_demos")
+
+
+def _process_info(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    session = strategy.session()
+    assert (session.rank, session.world_size) == (1, 2)
+    assert rec.seen("polyparallel_process_info") == [{"strategy": strategy}]
+
+
+def _session_start(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    session = strategy.session()
+    assert rec.seen("polyparallel_session_start") == [{"session": session}]
+
+
+def _session_finish(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    session = strategy.session()
+    assert not rec.seen("polyparallel_session_finish")
+    session.close()
+    assert rec.seen("polyparallel_session_finish") == [{"session": session}]
+
+
+def _launch(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    assert pp.launch(abs, strategy, 2, args=(-3,), timeout=30) == [3, 3]
+    assert rec.seen("polyparallel_launch") == [{"strategy": strategy, "nprocs": 2, "args": (-3,), "timeout": 30}]
+
+
+def _launch_script(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    script = tmp / "train.py"
+    script.write_text("print('hello')\n")
+    result = invoke("launch", "--nproc-per-node", "2", str(script), "--lr", "0.1")
+    assert result.exit_code == 7, result.output  # the hook's exit code is the command's
+    (call,) = rec.seen("polyparallel_launch_script")
+    assert call["command"] == [str(script), "--lr", "0.1"] and call["options"]["nproc_per_node"] == "2"
+
+
+def _operation(name: str, call: Callable[[pp.Strategy, Subject], Any], **expected: Any) -> Case:
+    def case(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+        subject = Subject()
+        hook = f"polyparallel_{name}"
+        assert call(strategy, subject) == (hook, subject)
+        (seen,) = rec.seen(hook)
+        assert seen["subject"] is subject
+        for key, check in expected.items():
+            assert check(seen[key]), (key, seen[key])
+    return case
+
+
+CASES: dict[str, Case] = {
+    "polyparallel_register_adapters": _adapters,
+    "polyparallel_capabilities": _capabilities,
+    "polyparallel_register_demos": _demos,
+    "polyparallel_process_info": _process_info,
+    "polyparallel_session_start": _session_start,
+    "polyparallel_session_finish": _session_finish,
+    "polyparallel_launch": _launch,
+    "polyparallel_launch_script": _launch_script,
+    "polyparallel_shard_data": _operation("shard_data", lambda s, x: s.shard_data(x, batch_size=4),
+                                          policy=lambda p: p.batch_size == 4, session=lambda se: se.rank == 1),
+    "polyparallel_wrap_model": _operation("wrap_model", lambda s, x: s.wrap_model(x, plan="p"),
+                                          options=lambda o: o == {"plan": "p"}),
+    "polyparallel_sync_grads": _operation("sync_grads", lambda s, x: s.sync_grads(x)),
+    "polyparallel_reduce_metrics": _operation("reduce_metrics", lambda s, x: s.reduce_metrics({"m": x}),
+                                              metrics=lambda m: list(m) == ["m"]),
+    "polyparallel_sync_states": _operation("sync_states", lambda s, x: s.sync_states(x)),
+}
+
+
+def test_every_spec_has_a_case_and_the_recorder_implements_it():
+    missing = sorted(set(SPECS) - set(CASES))
+    assert not missing, f"hook specs without a case proving the core calls them: {missing}; add one to CASES"
+    assert set(CASES) <= set(SPECS), f"cases for hooks that no longer exist: {sorted(set(CASES) - set(SPECS))}"
+    unimplemented = sorted(name for name in SPECS if not callable(getattr(Recorder, name, None)))
+    assert not unimplemented, f"Recorder does not implement {unimplemented}"
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
-def test_spec_is_tested(name):
-    sources = _test_sources()
-    users = [path.relative_to(TESTS) for path, text in sources.items() if re.search(rf"\b{name}\b", text)]
-    assert users, f"no test under {TESTS} names {name}: add one for the new hook"
+def test_the_core_calls_the_hook(name, manager, monkeypatch, tmp_path):
+    rec = Recorder()
+    manager.register(rec, name="recorder")
+    monkeypatch.setattr(cli_module, "get_plugin_manager", lambda: manager)
+    runner = CliRunner()
+    invoke = lambda *args: runner.invoke(cli_module.cli, list(args), prog_name="polyparallel")
+    strategy = pp.Strategy(data=2, timeout=30, plugin_manager=manager)
+    CASES[name](strategy, rec, invoke, tmp_path)

@@ -1,4 +1,5 @@
-"""The conformance kit for the Ignite adapter: data=2, data=2 x tensor=2, pipeline=2."""
+"""The conformance kit for the Ignite adapter: data=2, data=2 x tensor=2 and pipeline=2 x data=2
+(where every clause applies: replicas along the pipeline, a data peer for the skipped collective)."""
 
 import pytest
 
@@ -23,6 +24,6 @@ class TestIgniteData2Tensor2(_IgniteSuite):
     nprocs = 4
 
 
-class TestIgnitePipeline2(_IgniteSuite):
-    strategy = pp.Strategy(data=1, pipeline=2, timeout=30)
-    nprocs = 2
+class TestIgnitePipeline2Data2(_IgniteSuite):
+    strategy = pp.Strategy(pipeline=2, data=2, timeout=30)
+    nprocs = 4

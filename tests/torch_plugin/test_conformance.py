@@ -1,4 +1,6 @@
-"""The conformance kit for the torch runtime: data=2 (2 processes), data=2 x tensor=2 (4)."""
+"""The conformance kit for the torch runtime: data=2 (2 processes), data=2 x tensor=2 (4) and
+pipeline=2 x data=2 (4), where every clause applies (replicas along the pipeline, a data peer in
+another process for the skipped collective)."""
 
 import pytest
 
@@ -18,4 +20,10 @@ class TestTorchData2(ConformanceSuite):
 class TestTorchData2Tensor2(ConformanceSuite):
     driver = TorchDriver()
     strategy = pp.Strategy(data=2, tensor=2, timeout=30)
+    nprocs = 4
+
+
+class TestTorchPipeline2Data2(ConformanceSuite):
+    driver = TorchDriver()
+    strategy = pp.Strategy(pipeline=2, data=2, timeout=30)
     nprocs = 4
