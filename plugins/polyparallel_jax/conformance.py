@@ -3,7 +3,7 @@
 Each ``check_*`` function runs in the calling process (one process with many devices, or every
 process of a :func:`polyparallel_jax.launch.launch_processes` run) and raises ``AssertionError``
 with the measured numbers when the runtime breaks the contract of DESIGN.md. Strategies must be
-JAX strategies (``backend="jax"``; see :func:`polyparallel_jax.runtime.as_jax_strategy`).
+JAX strategies (``runtime="jax"``; see :func:`polyparallel_jax.runtime.as_jax_strategy`).
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def check_training_matches_single(strategy: pp.Strategy, epochs: int = 2, batch_
 
 def check_unsupported_topology(plugin_manager: pp.PluginManager | None = None) -> str:
     """A topology with a pipeline axis is refused before anything starts, naming the axis."""
-    strategy = pp.Strategy(data=2, pipeline=2, backend="jax", plugin_manager=plugin_manager)
+    strategy = pp.Strategy(data=2, pipeline=2, runtime="jax", plugin_manager=plugin_manager)
     try:
         strategy.check("jax")
     except pp.UnsupportedTopologyError as exc:
@@ -264,7 +264,7 @@ def multiprocess_suite(sizes: dict[str, int], with_timeout_check: bool = False) 
 
     pm = pp.PluginManager(autoload=False)
     pm.register(plugin, name="jax")
-    strategy = pp.Strategy(**sizes, backend="jax", timeout=8.0, plugin_manager=pm)
+    strategy = pp.Strategy(**sizes, runtime="jax", timeout=8.0, plugin_manager=pm)
     report: dict[str, Any] = {"process": jax_process_index(), "topology": repr(runtime_for(strategy).topology)}
     report["shards"] = check_shards(strategy)
     report["grads"] = check_grads_match_single(strategy)

@@ -48,6 +48,6 @@ def test_unsupported_topology_refused_before_launch(plugin_manager):
     assert "pipeline=2" in message
     begin = time.perf_counter()
     with pytest.raises(pp.UnsupportedTopologyError):
-        pp.launch(_must_not_run, pp.Strategy(data=1, pipeline=2, backend="jax", plugin_manager=plugin_manager),
+        pp.launch(_must_not_run, pp.Strategy(data=1, pipeline=2, runtime="jax", plugin_manager=plugin_manager),
                   nprocs=2, runtime="jax")
     assert time.perf_counter() - begin < 2.0, "refused only after starting processes"

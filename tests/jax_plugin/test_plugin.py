@@ -73,6 +73,6 @@ def test_jax_launch_hook_runs_before_the_torch_launcher(monkeypatch, torch_first
     monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(launch_function=torch_launch))
     monkeypatch.setattr(polyparallel_jax.launch, "launch_processes",
                         lambda fn, nprocs, **kwargs: calls.append((fn, nprocs)) or ["jax"] * nprocs)
-    strategy = pp.Strategy(data=2, backend="jax", plugin_manager=pm)
+    strategy = pp.Strategy(data=2, runtime="jax", plugin_manager=pm)
     assert pp.launch(print, strategy, nprocs=2) == ["jax", "jax"]
     assert calls == [(print, 2)]
