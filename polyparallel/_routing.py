@@ -228,14 +228,18 @@ def check_session(pm: PluginManager, session: Session) -> None:
 
 
 def _describe(operation: str, subject: Any) -> tuple[str, str]:
-    """(``module.Type`` of the subject, its top-level module); for a metrics mapping, of its values."""
-    if operation == "reduce_metrics" and isinstance(subject, Mapping) and subject:
-        from ._policies import Mean
+    """(what the subject is, its framework's top-level module); for a mapping or a list, of its
+    values (what a runtime looks at)."""
+    from ._policies import Mean
 
-        values = [v.total if isinstance(v, Mean) else v for v in subject.values()]
-        kinds = sorted({f"{type(v).__module__}.{type(v).__qualname__}" for v in values})
+    if isinstance(subject, (Mapping, list, tuple)) and subject:
+        values = list(subject.values()) if isinstance(subject, Mapping) else list(subject)
+        values = [v.total if isinstance(v, Mean) else v for v in values]
+        kinds = ", ".join(sorted({f"{type(v).__module__}.{type(v).__qualname__}" for v in values}))
         foreign = [type(v).__module__.split(".")[0] for v in values if not isinstance(v, numbers.Real)]
-        return f"metrics with values of type {', '.join(kinds)}", (foreign[0] if foreign else "builtins")
+        what = ("metrics" if operation == "reduce_metrics" else
+                f"a {'mapping' if isinstance(subject, Mapping) else type(subject).__name__}")
+        return f"{what} with values of type {kinds}", (foreign[0] if foreign else "builtins")
     kind = type(subject)
     return f"an object of type {kind.__module__}.{kind.__qualname__}", kind.__module__.split(".")[0]
 

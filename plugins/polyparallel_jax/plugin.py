@@ -50,7 +50,7 @@ def polyparallel_capabilities() -> pp.Capabilities:
     """The JAX runtime runs ``data`` and ``tensor`` axes (no pipeline stages); it needs jax, has no
     communication backend to choose (``Strategy(backend=None)``), and comes after torch in the
     automatic choice (priority 0)."""
-    return _capabilities(RUNTIME, imports={"jax"}, priority=0)
+    return _capabilities(RUNTIME, imports={"jax", "jaxlib"}, priority=0)  # jax.Array lives in jaxlib
 
 
 @pp.hookimpl

@@ -283,7 +283,7 @@ def test_the_framework_adapters_refuse_a_strategy_on_another_runtime():
 def test_the_real_runtimes_declare_what_they_need():
     runtimes = pp.get_plugin_manager().runtimes()
     assert (runtimes["torch"].imports, runtimes["torch"].backends) == ({"torch"}, {"gloo", "nccl"})
-    assert (runtimes["jax"].imports, runtimes["jax"].backends) == ({"jax"}, frozenset())
+    assert (runtimes["jax"].imports, runtimes["jax"].backends) == ({"jax", "jaxlib"}, frozenset())
     assert runtimes["torch"].priority > runtimes["jax"].priority
     with pytest.raises(pp.TopologyError, match=r"Strategy\(backend='mpi'\) is not a backend of the runtime 'torch'"):
         pp.Strategy(runtime="torch", backend="mpi").check()
