@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,13 +19,13 @@ __all__ = ["Capabilities"]
 
 def _names(field: str, target: object, value: object) -> frozenset[str]:
     # A bare string would become a set of its characters: refuse it with the fix.
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):  # type: ignore[attr-defined]
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"Capabilities({target!r}, {field}=) must be a collection of strings, e.g. {{'x'}}. "
                          f"Received: {value!r}.")
-    return frozenset(value)  # type: ignore[arg-type]
+    return frozenset(value)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Capabilities:
     """The axes and features a target (a runtime like ``"torch"`` or an adapter like
     ``"lightning"``) supports.
@@ -48,26 +49,33 @@ class Capabilities:
     """
 
     target: str
-    axes: frozenset[str] = frozenset({"data"})
-    features: frozenset[str] = frozenset()
-    plugin: str = ""
-    excludes: tuple[frozenset[str], ...] = ()
-    imports: frozenset[str] = frozenset()
-    backends: frozenset[str] = frozenset()
-    priority: int = 0
-    runtimes: frozenset[str] = frozenset()
+    axes: frozenset[str]
+    features: frozenset[str]
+    plugin: str
+    excludes: tuple[frozenset[str], ...]
+    imports: frozenset[str]
+    backends: frozenset[str]
+    priority: int
+    runtimes: frozenset[str]
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.target, str) or not self.target:
-            raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {self.target!r}.")
-        for field in ("axes", "features", "imports", "backends", "runtimes"):
-            object.__setattr__(self, field, _names(field, self.target, getattr(self, field)))
-        object.__setattr__(self, "excludes", tuple(frozenset(e) for e in self.excludes))
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"Capabilities({self.target!r}, priority=) must be an int. Received: {self.priority!r}.")
+    def __init__(self, target: str, axes: Iterable[str] = ("data",), features: Iterable[str] = (), plugin: str = "",
+                 excludes: Iterable[Iterable[str]] = (), imports: Iterable[str] = (), backends: Iterable[str] = (),
+                 priority: int = 0, runtimes: Iterable[str] = ()):
+        # Any collection of names is accepted; frozensets are stored (hashable, comparable to sets).
+        if not isinstance(target, str) or not target:
+            raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {target!r}.")
+        names = {"axes": axes, "features": features, "imports": imports, "backends": backends, "runtimes": runtimes}
+        for field, value in names.items():
+            object.__setattr__(self, field, _names(field, target, value))
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "plugin", plugin)
+        object.__setattr__(self, "excludes", tuple(_names("excludes", target, e) for e in excludes))
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"Capabilities({target!r}, priority=) must be an int. Received: {priority!r}.")
+        object.__setattr__(self, "priority", priority)
         unknown = sorted((self.axes | set().union(*self.excludes)) - set(AXES))
         if unknown:
-            raise ValueError(f"Capabilities({self.target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
+            raise ValueError(f"Capabilities({target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
 
     def check(self, topology: Topology) -> None:
         """Raise :class:`UnsupportedTopologyError` when ``topology`` needs an axis not supported."""

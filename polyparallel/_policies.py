@@ -197,7 +197,7 @@ class Mean:
                                 + (f"; convert it first: float({value!r})." if isinstance(value, str) else "."))
 
     @classmethod
-    def of(cls, value: float, count: int) -> "Mean":
+    def of(cls, value: float, count: int) -> Mean:
         """A mean ``value`` over ``count`` samples."""
         return cls(value * count, count)
 
@@ -207,7 +207,7 @@ class Mean:
         count = float(self.count)
         return float(self.total) / count if count else math.nan
 
-    def __add__(self, other: "Mean") -> "Mean":
+    def __add__(self, other: Mean) -> Mean:
         if not isinstance(other, Mean):
             return NotImplemented
         return Mean(self.total + other.total, self.count + other.count)

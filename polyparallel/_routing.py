@@ -237,9 +237,10 @@ def _describe(operation: str, subject: Any) -> tuple[str, str]:
         values = [v.total if isinstance(v, Mean) else v for v in values]
         kinds = ", ".join(sorted({f"{type(v).__module__}.{type(v).__qualname__}" for v in values}))
         foreign = [type(v).__module__.split(".")[0] for v in values if not isinstance(v, numbers.Real)]
-        what = ("metrics" if operation == "reduce_metrics" else
-                f"a {'mapping' if isinstance(subject, Mapping) else type(subject).__name__}")
-        return f"{what} with values of type {kinds}", (foreign[0] if foreign else "builtins")
+        kind = type(subject)
+        what = ("metrics with" if operation == "reduce_metrics" else
+                f"an object of type {kind.__module__}.{kind.__qualname__} holding")
+        return f"{what} values of type {kinds}", (foreign[0] if foreign else "builtins")
     kind = type(subject)
     return f"an object of type {kind.__module__}.{kind.__qualname__}", kind.__module__.split(".")[0]
 

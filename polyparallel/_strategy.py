@@ -61,6 +61,9 @@ class Strategy:
     grad_policy: GradPolicy
     metric_policy: MetricPolicy
     state_policy: StatePolicy
+    _pm: PluginManager | None
+    _hash: int
+    _runtime_hint: str | None  # the runtime chosen by the process that pickled this strategy
 
     def __init__(
         self,
@@ -120,8 +123,8 @@ class Strategy:
             if not isinstance(values[name], kind):
                 raise TopologyError(f"Strategy({name}=) must be a {kind.__name__}. Received: {values[name]!r}.")
         _routing.check_batch(data_policy, topology, "Strategy")
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+        for field, item in values.items():
+            object.__setattr__(self, field, item)
         object.__setattr__(self, "_pm", plugin_manager)
         object.__setattr__(self, "_runtime_hint", None)
         object.__setattr__(self, "_hash", hash(tuple(values.values())))

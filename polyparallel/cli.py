@@ -10,8 +10,8 @@ import click
 
 from . import hookspecs
 from ._errors import PolyparallelError
-from ._routing import check_batch
 from ._manager import get_plugin_manager
+from ._routing import check_batch
 from ._strategy import Strategy
 from ._topology import AXES, Topology
 
@@ -190,7 +190,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 

@@ -382,7 +382,8 @@ def test_nobody_answered_lists_plugins_and_the_extra(manager, monkeypatch):
 
 
 def test_nobody_answered_with_no_plugin(manager):
-    with pytest.raises(pp.NoPluginError, match=r"for a list with values of type builtins\.int\. Installed plugins: "
+    with pytest.raises(pp.NoPluginError, match=r"for an object of type builtins\.list holding values of type builtins\.int\. "
+                                               r"Installed plugins: "
                                                r"none\. No runtime is installed\. Install one: pip install "
                                                r"'polyparallel\[torch\]'\."):
         strategy(manager).shard_data([1, 2, 3])

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import numpy as np
+import polyparallel_jax.plugin
 import pytest
 
 import polyparallel as pp
-import polyparallel_jax.plugin
 
 
 def test_importing_the_plugin_imports_no_jax():
