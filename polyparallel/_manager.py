@@ -26,8 +26,15 @@ from ._session import ProcessInfo, Session, process_info_from_env
 if TYPE_CHECKING:
     from ._strategy import Strategy
 
-__all__ = ["PluginManager", "PluginInfo", "BrokenPlugin", "Adapter", "get_plugin_manager", "hookimpl",
-           "ENTRY_POINT_GROUP"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Adapter",
+    "BrokenPlugin",
+    "PluginInfo",
+    "PluginManager",
+    "get_plugin_manager",
+    "hookimpl",
+]
 
 ENTRY_POINT_GROUP = "polyparallel"
 DISABLE_AUTOLOAD_ENV = "POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD"

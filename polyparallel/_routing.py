@@ -24,7 +24,18 @@ if TYPE_CHECKING:
     from ._strategy import Strategy
     from ._topology import Topology
 
-__all__ = ["choose", "check_session", "check_batch", "nobody_answered", "no_runtime_message", "install_hint"]
+__all__ = [
+    "broken_named",
+    "check_batch",
+    "check_session",
+    "choose",
+    "data_policy_with",
+    "install_hint",
+    "no_runtime_message",
+    "nobody_answered",
+    "require",
+    "sentences",
+]
 
 #: The runtime suggested when none is installed.
 DEFAULT_EXTRA = "torch"
@@ -49,14 +60,15 @@ def broken_named(pm: PluginManager, *names: str) -> tuple[str, str]:
     broken = {b.name: b for b in pm.broken()}
     named = [broken[n] for n in dict.fromkeys(names) if n in broken]
     others = [b for n, b in broken.items() if b not in named]
-    first = " ".join(f"{b.describe()[0].upper()}{b.describe()[1:]}; fix that error (the plugin is installed, "
-                     "so installing it again will not help)." for b in named)
+    first = " ".join(f"{_cap(b.describe())}; fix that error (the plugin is installed, so installing it again "
+                     "will not help)." for b in named)
     rest = ("Plugins that failed to load (one may be the one you need): " + "; ".join(
         b.describe() for b in others) + ".") if others else ""
     return first, rest
 
 
-def _join(*parts: str) -> str:
+def sentences(*parts: str) -> str:
+    """The non-empty ``parts`` joined into one message."""
     return " ".join(p for p in parts if p)
 
 
@@ -73,10 +85,10 @@ def no_runtime_message(pm: PluginManager, needed_by: str = "") -> str:
     text = f"{what} runtime is installed" + (f" ({missing})" if missing else "") + "."
     named, others = broken_named(pm, *sorted(runtimes), DEFAULT_EXTRA)
     if named:
-        return _join(text, named, others)
+        return sentences(text, named, others)
     names = [DEFAULT_EXTRA, *sorted(n for n in runtimes if n != DEFAULT_EXTRA)]
     hints = " or ".join(install_hint(n, sorted(runtimes[n].imports) if n in runtimes else ()) for n in names)
-    return _join(text, f"Install one: {hints}.", others)
+    return sentences(text, f"Install one: {hints}.", others)
 
 
 def _require(pm: PluginManager, name: str, runtimes: dict[str, Capabilities], asked: str) -> Capabilities:
@@ -84,10 +96,10 @@ def _require(pm: PluginManager, name: str, runtimes: dict[str, Capabilities], as
     if name not in runtimes:
         named, others = broken_named(pm, name)
         if named:
-            raise NoPluginError(_join(f"{asked} names the runtime {name!r}, but:", named, others))
+            raise NoPluginError(sentences(f"{asked} names the runtime {name!r}, but:", named, others))
         known = ", ".join(sorted(runtimes)) or "none"
-        raise NoPluginError(_join(f"{asked} names the runtime {name!r}, which no installed plugin provides. "
-                                  f"Runtimes: {known}. Install it: {install_hint(name)}.", others))
+        raise NoPluginError(sentences(f"{asked} names the runtime {name!r}, which no installed plugin provides. "
+                                      f"Runtimes: {known}. Install it: {install_hint(name)}.", others))
     caps = runtimes[name]
     missing = caps.missing_imports()
     if missing:
@@ -184,9 +196,9 @@ def require(pm: PluginManager, strategy: Strategy, among: Mapping[str, str] | No
         named, others = broken_named(pm, *names)
         who = "; ".join(f"{w} runs on the {rt!r} runtime" for rt, w in sorted(among.items()))
         if named:
-            raise NoPluginError(_join(f"{_cap(who)}, which did not load.", named, others))
-        raise NoPluginError(_join(f"{_cap(who)}, which is not installed{needs}. Install it: "
-                                  f"{' or '.join(install_hint(n) for n in names)}.", others))
+            raise NoPluginError(sentences(f"{_cap(who)}, which did not load.", named, others))
+        raise NoPluginError(sentences(f"{_cap(who)}, which is not installed{needs}. Install it: "
+                                      f"{' or '.join(install_hint(n) for n in names)}.", others))
     raise NoPluginError(no_runtime_message(pm, needed_by))
 
 
@@ -261,17 +273,17 @@ def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Se
     owner = next((n for n, c in sorted(runtimes.items()) if top in c.imports), None)
     named, others = broken_named(pm, top, *([owner] if owner else []))
     if named:
-        return _join(head, named, others)
+        return sentences(head, named, others)
     extras = _extras()
     # Plain Python values (numbers for reduce_metrics) are any runtime's: what is missing is a runtime.
     if runtime is None and top == "builtins" and not any(not c.missing_imports() for c in runtimes.values()):
-        return _join(head, no_runtime_message(pm))
+        return sentences(head, no_runtime_message(pm))
     if owner is not None and owner != runtime:
         if runtimes[owner].missing_imports():
-            return _join(head, f"{top} objects belong to the {owner!r} runtime, which is not installed: "
-                               f"{install_hint(owner)}.", others)
-        return _join(head, f"{top} objects belong to the {owner!r} runtime, but this strategy runs on "
-                           f"{runtime!r}: use Strategy(runtime={owner!r}).", others)
+            return sentences(head, f"{top} objects belong to the {owner!r} runtime, which is not installed: "
+                                   f"{install_hint(owner)}.", others)
+        return sentences(head, f"{top} objects belong to the {owner!r} runtime, but this strategy runs on "
+                               f"{runtime!r}: use Strategy(runtime={owner!r}).", others)
     hint = (f"To handle {top} objects: pip install 'polyparallel[{top}]'." if top in extras and top != runtime else
             f"Install a plugin for {top} objects (extras: {', '.join(sorted(extras))}), or write one (CONTRIBUTING.md).")
-    return _join(head, hint, others)
+    return sentences(head, hint, others)

@@ -241,7 +241,7 @@ class Strategy:
                 known = sorted(set(runtimes) | set(adapters))
                 named, others = _routing.broken_named(pm, target)
                 hint = named or f"Install its extra: pip install 'polyparallel[{target}]'."
-                raise NoPluginError(_routing._join(
+                raise NoPluginError(_routing.sentences(
                     f"No installed plugin provides the target {target!r}. Known targets: "
                     f"{', '.join(known) or 'none'}.", hint, others))
             if target in runtimes:
@@ -316,7 +316,7 @@ class Strategy:
         if name not in adapters:
             named, others = _routing.broken_named(pm, name)
             hint = named or f"Install its extra: pip install 'polyparallel[{name}]'."
-            raise NoPluginError(_routing._join(
+            raise NoPluginError(_routing.sentences(
                 f"No adapter named {name!r} is registered. Registered adapters: "
                 f"{', '.join(sorted(adapters)) or 'none'}.", hint, others))
         adapter = adapters[name]
