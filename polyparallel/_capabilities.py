@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,7 +17,15 @@ if TYPE_CHECKING:
 __all__ = ["Capabilities"]
 
 
-@dataclass(frozen=True)
+def _names(field: str, target: object, value: object) -> frozenset[str]:
+    # A bare string would become a set of its characters: refuse it with the fix.
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"Capabilities({target!r}, {field}=) must be a collection of strings, e.g. {{'x'}}. "
+                         f"Received: {value!r}.")
+    return frozenset(value)
+
+
+@dataclass(frozen=True, init=False)
 class Capabilities:
     """The axes and features a target (a runtime like ``"torch"`` or an adapter like
     ``"lightning"``) supports.
@@ -25,21 +36,46 @@ class Capabilities:
     :param plugin: filled in by the plugin manager with the declaring plugin's name.
     :param excludes: sets of axes that cannot all be > 1 at once (``({"tensor", "pipeline"},)``:
         each alone is fine, both together are not).
+    :param imports: *runtimes*: the top-level modules the runtime needs (``{"torch"}``). The runtime
+        counts as installed when all of them can be imported, and as the process's framework when
+        one of them is already imported (see :meth:`polyparallel.Strategy.resolve_runtime`).
+    :param backends: *runtimes*: the communication backends ``Strategy(backend=)`` may name
+        (``{"gloo", "nccl"}``); empty when the runtime has nothing to choose (``backend`` must
+        then be ``None``).
+    :param priority: *runtimes*: the automatic choice among several installed runtimes prefers the
+        highest priority (ties are an error asking for ``Strategy(runtime=)``; never hook order).
+    :param runtimes: *adapters*: the runtimes the adapter runs on (``{"torch"}`` for Lightning);
+        empty means any. ``Strategy.adapt`` refuses a strategy whose runtime is not one of them.
     """
 
     target: str
-    axes: frozenset[str] = frozenset({"data"})
-    features: frozenset[str] = frozenset()
-    plugin: str = ""
-    excludes: tuple[frozenset[str], ...] = ()
+    axes: frozenset[str]
+    features: frozenset[str]
+    plugin: str
+    excludes: tuple[frozenset[str], ...]
+    imports: frozenset[str]
+    backends: frozenset[str]
+    priority: int
+    runtimes: frozenset[str]
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "axes", frozenset(self.axes))
-        object.__setattr__(self, "features", frozenset(self.features))
-        object.__setattr__(self, "excludes", tuple(frozenset(e) for e in self.excludes))
+    def __init__(self, target: str, axes: Iterable[str] = ("data",), features: Iterable[str] = (), plugin: str = "",
+                 excludes: Iterable[Iterable[str]] = (), imports: Iterable[str] = (), backends: Iterable[str] = (),
+                 priority: int = 0, runtimes: Iterable[str] = ()):
+        # Any collection of names is accepted; frozensets are stored (hashable, comparable to sets).
+        if not isinstance(target, str) or not target:
+            raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {target!r}.")
+        names = {"axes": axes, "features": features, "imports": imports, "backends": backends, "runtimes": runtimes}
+        for field, value in names.items():
+            object.__setattr__(self, field, _names(field, target, value))
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "plugin", plugin)
+        object.__setattr__(self, "excludes", tuple(_names("excludes", target, e) for e in excludes))
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"Capabilities({target!r}, priority=) must be an int. Received: {priority!r}.")
+        object.__setattr__(self, "priority", priority)
         unknown = sorted((self.axes | set().union(*self.excludes)) - set(AXES))
         if unknown:
-            raise ValueError(f"Capabilities({self.target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
+            raise ValueError(f"Capabilities({target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
 
     def check(self, topology: Topology) -> None:
         """Raise :class:`UnsupportedTopologyError` when ``topology`` needs an axis not supported."""
@@ -62,7 +98,19 @@ class Capabilities:
                     "Set one of them to 1."
                 )
 
+    def missing_imports(self) -> list[str]:
+        """The modules of :attr:`imports` that cannot be imported here (empty: installed).
+
+        Looks the modules up without importing them (``importlib.util.find_spec``)."""
+        return sorted(m for m in self.imports if m not in sys.modules and importlib.util.find_spec(m) is None)
+
+    def imported(self) -> bool:
+        """Whether one of :attr:`imports` is already imported in this process."""
+        return any(m in sys.modules for m in self.imports)
+
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
         return {"target": self.target, "axes": sorted(self.axes), "features": sorted(self.features),
-                "plugin": self.plugin, "excludes": [sorted(e) for e in self.excludes]}
+                "plugin": self.plugin, "excludes": [sorted(e) for e in self.excludes],
+                "imports": sorted(self.imports), "backends": sorted(self.backends), "priority": self.priority,
+                "runtimes": sorted(self.runtimes)}

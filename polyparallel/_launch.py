@@ -1,10 +1,13 @@
-"""``polyparallel.launch``: run a function in N processes through whichever runtime can."""
+"""``polyparallel.launch``: run a function in N processes through the strategy's runtime."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+import pickle
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _routing
 from ._errors import NoPluginError, TopologyError
 
 if TYPE_CHECKING:
@@ -18,38 +21,85 @@ def launch(
     strategy: Strategy,
     nprocs: int,
     args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
     *,
     runtime: str | None = None,
     timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new processes and return the results by rank.
 
-    Inside ``fn`` the strategy's operations work with no setup call. The topology is resolved
-    against ``nprocs`` (and, with ``runtime=``, checked against that runtime's capabilities)
-    *before* any process starts. A failing rank raises :class:`LaunchError` with its traceback;
-    the other ranks are stopped.
+    Inside ``fn`` the strategy's operations work with no setup call. Before any process starts,
+    everything that can be checked is: the arguments, the topology against ``nprocs``, the
+    runtime (:meth:`Strategy.resolve_runtime`, chosen here in the parent) and its declared
+    capabilities and backends, and the global batch size against the data axis. The strategy
+    is pickled into the processes with that runtime choice, so they run the same runtime. A
+    failing rank raises :class:`LaunchError` with its traceback; the other ranks are stopped.
 
     :param fn: a picklable, module-level callable.
     :param strategy: the :class:`Strategy`; it is pickled into each process.
     :param nprocs: number of processes.
-    :param runtime: a runtime name (``"torch"``) whose capabilities must admit the topology.
+    :param args: positional arguments for ``fn`` (a tuple or list; pickled).
+    :param kwargs: keyword arguments for ``fn`` (a mapping with string keys; pickled).
+    :param runtime: a runtime (``"torch"``) or adapter (``"lightning"``) name whose capabilities
+        must admit the topology; it also narrows the runtime choice when ``strategy.runtime`` is
+        ``None`` (the processes then get the strategy with that runtime set).
     :param timeout: seconds after which every process is terminated and :class:`LaunchError`
-        raised (a safety net for tests and scripts; collectives have the strategy's own timeout).
+        raised (a safety net for tests and scripts; collectives have the strategy's own timeout);
+        ``None``: no limit.
+    :raises NoPluginError: no runtime is installed (with the extra to install), or the runtime
+        cannot start processes.
     """
+    from ._strategy import Strategy
+
+    if not callable(fn):
+        raise TypeError(f"launch(fn=) must be a callable (a module-level function). Received: {type(fn).__name__} "
+                        f"{fn!r:.60}. For a script, use `polyparallel launch script.py` instead.")
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"launch(strategy=) must be a polyparallel.Strategy. Received: {type(strategy).__name__} "
+                        f"{strategy!r:.60}. Build one, e.g. polyparallel.Strategy(data=2).")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise TopologyError(f"launch(nprocs=) must be a positive int. Received: {nprocs!r}.")
-    if not callable(fn):
-        raise TypeError(f"launch() needs a callable. Received: {type(fn).__name__}.")
-    strategy.topology.resolve(nprocs)  # raises a TopologyError naming sizes and nprocs
+    if isinstance(args, (str, bytes)) or not isinstance(args, Sequence):
+        raise TypeError(f"launch(args=) must be a tuple or list of arguments for fn. Received: {type(args).__name__} "
+                        f"{args!r:.60}. For one argument write args=(value,).")
+    if kwargs is not None and not (isinstance(kwargs, Mapping) and all(isinstance(k, str) for k in kwargs)):
+        raise TypeError(f"launch(kwargs=) must be a mapping of argument name (str) -> value, or None. "
+                        f"Received: {kwargs!r:.60}.")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < math.inf):
+        raise TopologyError(f"launch(timeout=) must be None (no limit) or a positive, finite number of seconds. "
+                            f"Received: {timeout!r}.")
+    if runtime is not None and (not isinstance(runtime, str) or not runtime):
+        raise TypeError(f"launch(runtime=) must be a runtime or adapter name, or None. Received: {runtime!r}.")
+    topology = strategy.topology.resolve(nprocs)  # raises a TopologyError naming sizes and nprocs
+    pm = strategy.plugin_manager
+    among = None
     if runtime is not None:
         strategy.check(runtime, world_size=nprocs)
-    pm = strategy.plugin_manager
-    results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, nprocs=nprocs,
-                      args=tuple(args), kwargs=dict(kwargs or {}), timeout=timeout)
+        runtimes, adapters = pm.runtimes(), pm.adapters()
+        if runtime in runtimes:
+            among = {runtime: f"launch(runtime={runtime!r})"}
+        elif adapters[runtime].capabilities.runtimes:
+            among = {rt: f"launch(runtime={runtime!r})" for rt in adapters[runtime].capabilities.runtimes}
+    chosen = _routing.require(pm, strategy, among, needed_by="launch()")
+    if among is not None and strategy.runtime is None and chosen != pm.resolve_runtime(strategy):
+        strategy = strategy.replace(runtime=chosen)
+    pm.runtimes()[chosen].check(topology)
+    _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})")
+    args, kwargs = tuple(args), dict(kwargs or {})
+    try:  # here, not in a half-started job: the processes get them pickled
+        pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: "
+                        f"{type(exc).__name__}: {exc}. Define fn at module level (not a lambda or a nested "
+                        "function) and pass picklable arguments.") from exc
+    results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, runtime=chosen, nprocs=nprocs,
+                      args=args, kwargs=kwargs, timeout=timeout)
     if results is None:
+        caps = pm.runtimes()[chosen]
         raise NoPluginError(
-            "No installed plugin can launch processes (none implements polyparallel_launch). "
-            "Install a runtime: pip install 'polyparallel[torch]'."
+            f"The runtime {chosen!r} (plugin {caps.plugin!r}) cannot launch processes: no plugin implements "
+            f"polyparallel_launch for it. Start the processes yourself (`polyparallel launch`, torchrun) or "
+            f"choose a runtime that can: Strategy(runtime=...)."
         )
     return list(results)

@@ -1,22 +1,24 @@
-"""The plugin manager: lazy, idempotent entry-point loading and error-translating dispatch."""
+"""The plugin manager: lazy, idempotent entry-point loading, validated registration, and
+error-translating dispatch. Runtime selection lives in :mod:`polyparallel._routing`."""
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import difflib
 import importlib
 import importlib.metadata
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import pluggy
 
-from . import hookspecs
+from . import _routing, hookspecs
 from ._capabilities import Capabilities
 from ._errors import NoPluginError, PluginError, PolyparallelError
 from ._session import ProcessInfo, Session, process_info_from_env
@@ -24,11 +26,20 @@ from ._session import ProcessInfo, Session, process_info_from_env
 if TYPE_CHECKING:
     from ._strategy import Strategy
 
-__all__ = ["PluginManager", "PluginInfo", "Adapter", "get_plugin_manager", "hookimpl", "ENTRY_POINT_GROUP"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Adapter",
+    "BrokenPlugin",
+    "PluginInfo",
+    "PluginManager",
+    "get_plugin_manager",
+    "hookimpl",
+]
 
 ENTRY_POINT_GROUP = "polyparallel"
 DISABLE_AUTOLOAD_ENV = "POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "POLYPARALLEL_PLUGINS"
+HOOK_PREFIX = "polyparallel_"
 
 hookimpl = pluggy.HookimplMarker("polyparallel")
 
@@ -53,6 +64,27 @@ class PluginInfo:
 
 
 @dataclass(frozen=True)
+class BrokenPlugin:
+    """An installed plugin that failed to load (its import raised, or it failed validation).
+
+    Kept so that the error reaches the user where they use the plugin (``adapt(name)``, an
+    operation nobody answered, a runtime they asked for) instead of an install hint for a
+    package that is installed.
+    """
+
+    name: str
+    value: str
+    dist: str | None
+    version: str | None
+    error: str
+
+    def describe(self) -> str:
+        """``'lightning' (fake_module from polyparallel 0.1.0) failed to load: ImportError: ...``"""
+        origin = f"{self.value} from {self.dist}{' ' + self.version if self.version else ''}" if self.dist else self.value
+        return f"the installed plugin {self.name!r} ({origin}) failed to load: {self.error}"
+
+
+@dataclass(frozen=True)
 class Adapter:
     """A registered framework adapter (``Strategy.adapt(name)``)."""
 
@@ -68,8 +100,11 @@ class PluginManager:
 
     Entry points are loaded on first use of :attr:`hook` (never at import time), once.
     ``POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD=1`` loads none of them except those named in
-    ``POLYPARALLEL_PLUGINS=a,b`` (entry-point names, or importable module names). A broken entry
-    point is reported with a warning naming it, and the others keep working.
+    ``POLYPARALLEL_PLUGINS=a,b`` (entry-point names, or importable module names). A plugin is
+    validated when it is registered: a hook implementation with no spec (a misspelled
+    ``polyparallel_shard_dat``) is an error naming the plugin and the hook. A broken entry point
+    (its import raises, or it fails validation) is reported with a warning naming it and
+    remembered (:meth:`broken`), and the others keep working.
     """
 
     def __init__(self, *, autoload: bool = True):
@@ -80,7 +115,11 @@ class PluginManager:
         self._loading = False  # re-entrance from the loading thread (a plugin's import) returns early
         self._lock = threading.RLock()
         self._infos: dict[str, PluginInfo] = {}
+        self._broken: dict[str, BrokenPlugin] = {}
         self._adapters: dict[str, Adapter] | None = None
+        self._runtimes: dict[str, Capabilities] | None = None
+        #: Automatic runtime choice per strategy value (cleared when the plugins change).
+        self._resolved: dict[Strategy, str | None] = {}
         self._sessions: dict[Strategy, Session] = {}
         self._callers: dict[str, Any] = {}
         # Resources shared by sessions (process groups): key -> [value, references, release].
@@ -123,22 +162,22 @@ class PluginManager:
             # A blocked plugin is not even imported (its import may be what is broken).
             if self._pm.has_plugin(ep.name) or self._pm.is_blocked(ep.name):
                 continue
+            dist_name = dist.metadata["Name"]
             try:
                 plugin = ep.load()
-                self.register(plugin, name=ep.name, dist=dist.metadata["Name"], version=dist.version)
+                self.register(plugin, name=ep.name, dist=dist_name, version=dist.version)
             except Exception as exc:  # a broken third-party plugin must not break the rest
-                warnings.warn(
-                    f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from "
-                    f"{dist.metadata['Name']}: {type(exc).__name__}: {exc}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                broken = BrokenPlugin(ep.name, ep.value, dist_name, dist.version, f"{type(exc).__name__}: {exc}")
+                self._broken[ep.name] = broken
+                warnings.warn(f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from {dist_name}: "
+                              f"{broken.error}", RuntimeWarning, stacklevel=2)
         for name in wanted:
             if name in found or self._pm.has_plugin(name) or self._pm.is_blocked(name):
                 continue
             try:
                 self.register(importlib.import_module(name), name=name)
             except Exception as exc:
+                self._broken[name] = BrokenPlugin(name, name, None, None, f"{type(exc).__name__}: {exc}")
                 warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
                               f"nor an importable plugin module: {type(exc).__name__}: {exc}",
                               RuntimeWarning, stacklevel=2)
@@ -150,18 +189,28 @@ class PluginManager:
 
         :return: the name it was registered under, or ``None`` when that name is blocked
             (:meth:`set_blocked`): a blocked plugin is skipped silently.
+        :raises pluggy.PluginValidationError: a hook implementation's arguments do not match its
+            spec, or it implements a ``polyparallel_*`` hook that does not exist (a misspelling);
+            nothing of the plugin stays registered.
         """
         with self._lock:
             registered = self._pm.register(plugin, name=name)
             if registered is None:  # blocked name (pluggy's contract): not registered
                 return None
+            callers = self._pm.get_hookcallers(plugin) or []
+            unknown = [c.name for c in callers if not c.has_spec()
+                       and not any(i.plugin is plugin and i.optionalhook for i in c.get_hookimpls())]
+            if unknown:
+                self._pm.unregister(plugin)
+                raise pluggy.PluginValidationError(plugin, _unknown_hooks_message(registered, unknown))
             if isinstance(plugin, ModuleType):
                 module = plugin.__name__
             else:  # an instance, or a class registered as it is
                 module = getattr(plugin, "__module__", None) or type(plugin).__module__
-            hooks = tuple(sorted(h.name for h in self._pm.get_hookcallers(plugin) or ()))
+            hooks = tuple(sorted(c.name for c in callers))
             self._infos[registered] = PluginInfo(registered, module, dist, version, hooks)
-            self._adapters = None
+            self._broken.pop(registered, None)
+            self._changed()
             return registered
 
     def unregister(self, name: str) -> None:
@@ -169,9 +218,10 @@ class PluginManager:
         with self._lock:
             self._pm.unregister(name=name)
             self._infos.pop(name, None)
-            self._adapters = None
+            self._changed()
 
     def is_blocked(self, name: str) -> bool:
+        """Whether ``name`` was blocked with :meth:`set_blocked`."""
         return self._pm.is_blocked(name)
 
     def set_blocked(self, name: str) -> None:
@@ -180,12 +230,24 @@ class PluginManager:
         with self._lock:
             self._pm.set_blocked(name)
             self._infos.pop(name, None)
-            self._adapters = None
+            self._broken.pop(name, None)
+            self._changed()
+
+    def _changed(self) -> None:
+        # Registries and automatic runtime choices are recomputed from the new set of plugins.
+        self._adapters = None
+        self._runtimes = None
+        self._resolved.clear()
 
     def plugins(self) -> list[PluginInfo]:
         """The loaded plugins, the core's own defaults first."""
         self.load()
         return list(self._infos.values())
+
+    def broken(self) -> list[BrokenPlugin]:
+        """The installed plugins that failed to load (import error, failed validation)."""
+        self.load()
+        return list(self._broken.values())
 
     # -- dispatch ------------------------------------------------------------------------------
     def call(self, hook_name: str, **kwargs: Any) -> Any:
@@ -211,11 +273,11 @@ class PluginManager:
         except Exception as exc:
             self._reraise(caller, f"polyparallel_{operation}", exc)
         if result is None:
-            raise NoPluginError(self._nobody_answered(operation, subject))
+            raise NoPluginError(_routing.nobody_answered(self, operation, subject, kwargs.get("session")))
         return result
 
-    def _reraise(self, caller: Any, hook_name: str, exc: Exception) -> NoReturn:
-        plugin = _plugin_in_traceback(caller, exc.__traceback__)
+    def _reraise(self, caller: Any, hook_name: str, exc: Exception, default: str | None = None) -> NoReturn:
+        plugin = _plugin_in_traceback(caller, exc.__traceback__) or default
         if plugin is None:
             raise exc
         if isinstance(exc, PolyparallelError):
@@ -223,18 +285,21 @@ class PluginManager:
             raise exc
         raise PluginError(plugin, hook_name, exc) from exc
 
-    def _nobody_answered(self, operation: str, subject: Any) -> str:
-        kind = type(subject)
-        top = kind.__module__.split(".")[0]
-        installed = ", ".join(
-            f"{p.name} ({p.dist or p.module}{' ' + p.version if p.version else ''})"
-            for p in self._infos.values() if p.name != "polyparallel.core"
-        ) or "none"
-        extras = _extras()
-        hint = (f" To handle {top} objects: pip install 'polyparallel[{top}]'." if top in extras else
-                f" Install a plugin for {top} objects (extras: {', '.join(sorted(extras))}), or write one (CONTRIBUTING.md).")
-        return (f"No polyparallel plugin handles {operation} for an object of type "
-                f"{kind.__module__}.{kind.__qualname__}. Installed plugins: {installed}.{hint}")
+    def _per_plugin(self, hook_name: str, kwargs: Callable[[str], dict[str, Any]] | None = None
+                    ) -> Iterator[tuple[str, Any]]:
+        """Call a registry hook once per implementing plugin, through pluggy, so that each result
+        is attributed to its plugin; other plugins' wrappers stay in every call (pluggy's
+        ``subset_hook_caller``). ``kwargs(plugin name)`` gives each call's arguments. Yields
+        ``(plugin name, result)`` in reverse call order."""
+        caller = getattr(self.hook, hook_name)
+        plain = [i for i in caller.get_hookimpls() if not (i.wrapper or i.hookwrapper)]
+        for impl in plain:
+            subset = self._pm.subset_hook_caller(hook_name, [i.plugin for i in plain if i is not impl])
+            try:
+                results = subset(**(kwargs(impl.plugin_name) if kwargs else {}))
+            except Exception as exc:
+                self._reraise(caller, hook_name, exc, default=impl.plugin_name)
+            yield impl.plugin_name, results[0] if results else None
 
     # -- adapters and capabilities -------------------------------------------------------------------
     def adapters(self) -> dict[str, Adapter]:
@@ -246,40 +311,80 @@ class PluginManager:
         with self._lock:
             if self._adapters is None:
                 collected: dict[str, Adapter] = {}
-                # get_hookimpls() is in reverse call order: a later entry overrides an earlier one.
-                for impl in self.hook.polyparallel_register_adapters.get_hookimpls():
+
+                def registrar(plugin: str) -> dict[str, Any]:
                     def register(name: str, factory: Callable[..., Any], capabilities: Capabilities | None = None,
-                                 description: str = "", _plugin: str = impl.plugin_name) -> None:
+                                 description: str = "") -> None:
                         caps = capabilities or Capabilities(target=name)
-                        caps = dataclasses.replace(caps, target=name, plugin=_plugin)
-                        collected[name] = Adapter(name, factory, caps, _plugin, description)
-                    _call_impl(impl, "polyparallel_register_adapters", register=register)
+                        caps = dataclasses.replace(caps, target=name, plugin=plugin)
+                        collected[name] = Adapter(name, factory, caps, plugin, description)
+                    return {"register": register}
+
+                # In reverse call order: a later plugin's registration overrides an earlier one's.
+                for _ in self._per_plugin("polyparallel_register_adapters", registrar):
+                    pass
                 # Assigned only when complete: a plugin that failed is retried, not half-cached.
                 self._adapters = collected
             return dict(self._adapters)
 
+    def runtimes(self) -> dict[str, Capabilities]:
+        """Runtime name -> :class:`Capabilities`, from ``polyparallel_capabilities`` (installed or
+        not: :meth:`Capabilities.missing_imports` says)."""
+        with self._lock:
+            if self._runtimes is None:
+                result: dict[str, Capabilities] = {}
+                for plugin, declared in self._per_plugin("polyparallel_capabilities"):
+                    items = declared if isinstance(declared, (list, tuple)) else [declared] if declared else []
+                    for caps in items:
+                        if not isinstance(caps, Capabilities):
+                            raise PluginError(plugin, "polyparallel_capabilities", TypeError(
+                                f"expected Capabilities or a list of them; received {type(caps).__name__}"))
+                        result[caps.target] = dataclasses.replace(caps, plugin=plugin)
+                self._runtimes = result
+            return dict(self._runtimes)
+
     def capabilities(self) -> dict[str, Capabilities]:
-        """Target name -> :class:`Capabilities`, for runtimes and adapters."""
-        result: dict[str, Capabilities] = {}
-        for impl in self.hook.polyparallel_capabilities.get_hookimpls():
-            declared = _call_impl(impl, "polyparallel_capabilities")
-            for caps in declared if isinstance(declared, (list, tuple)) else [declared] if declared else []:
-                result[caps.target] = dataclasses.replace(caps, plugin=impl.plugin_name)
+        """Target name -> :class:`Capabilities`, for runtimes and adapters (an adapter named like
+        a runtime is listed under that name; :meth:`runtimes` has the runtimes alone)."""
+        result = self.runtimes()
         for adapter in self.adapters().values():
             result[adapter.name] = adapter.capabilities
         return result
 
+    def resolve_runtime(self, strategy: Strategy, among: Mapping[str, str] | None = None) -> str | None:
+        """The runtime ``strategy`` runs on in this process, or ``None`` when no runtime is
+        installed. See :meth:`polyparallel.Strategy.resolve_runtime` for the rules.
+
+        :param among: restrict the choice to these runtimes (name -> who needs them, for the
+            message), as an adapter's declared runtimes do; not cached.
+        """
+        if among is None:
+            try:
+                return self._resolved[strategy]
+            except KeyError:
+                pass
+        with self._lock:
+            runtime = _routing.choose(self, strategy, among)
+            if among is None:
+                self._resolved[strategy] = runtime
+            return runtime
+
     # -- sessions ---------------------------------------------------------------------------------
     def session(self, strategy: Strategy) -> Session:
-        """This process's :class:`Session` for ``strategy``, created on first use."""
+        """This process's :class:`Session` for ``strategy``, created on first use: the runtime
+        is resolved, and the topology checked against that runtime's capabilities and the
+        strategy's batch size, before any process group exists."""
         try:
             return self._sessions[strategy]
         except KeyError:
             pass
         with self._lock:
             if strategy not in self._sessions:
-                info = self.call("polyparallel_process_info", strategy=strategy)
+                runtime = self.resolve_runtime(strategy)
+                info = self.call("polyparallel_process_info", strategy=strategy, runtime=runtime)
                 session = Session(strategy, self, info)
+                session.runtime = runtime
+                _routing.check_session(self, session)
                 self._sessions[strategy] = session
                 if not self._atexit_registered:
                     atexit.register(self.close_sessions)
@@ -288,6 +393,7 @@ class PluginManager:
             return self._sessions[strategy]
 
     def sessions(self) -> list[Session]:
+        """The open sessions of this process."""
         return list(self._sessions.values())
 
     def close_sessions(self) -> None:
@@ -326,20 +432,15 @@ class PluginManager:
             del self._sessions[session.strategy]
 
 
-def _subset(argnames: tuple[str, ...], **available: Any) -> dict[str, Any]:
-    return {k: v for k, v in available.items() if k in argnames}
-
-
-def _call_impl(impl: Any, hook_name: str, **available: Any) -> Any:
-    """Call one hook implementation directly (registry hooks need to know who registers what),
-    translating its errors as :meth:`PluginManager.call` does."""
-    try:
-        return impl.function(**_subset(impl.argnames, **available))
-    except PolyparallelError as exc:
-        _note(exc, f"raised by plugin {impl.plugin_name!r} in {hook_name}")
-        raise
-    except Exception as exc:
-        raise PluginError(impl.plugin_name, hook_name, exc) from exc
+def _unknown_hooks_message(plugin: str, unknown: list[str]) -> str:
+    known = sorted(n for n in vars(hookspecs) if n.startswith(HOOK_PREFIX))
+    parts = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return (f"plugin {plugin!r} implements {', '.join(parts)}, which is not a polyparallel hook. "
+            f"Rename it to one of the hooks in polyparallel/hookspecs.py ({', '.join(known)}), or mark a hook "
+            "of another project @hookimpl(optionalhook=True).")
 
 
 def _note(exc: BaseException, text: str) -> None:

@@ -18,6 +18,21 @@ STATE_ACTIONS = ("mean", "broadcast", "local")
 REMAINDERS = ("pad", "drop", "uneven")
 
 
+def _pairs(where: str, value: Any, what: str, example: str) -> tuple[tuple[str, str], ...]:
+    """``name -> str`` pairs from a mapping or an iterable of pairs, refused with an example
+    (``dict("sum")`` would otherwise fail with a message about sequence elements)."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        pairs = None
+    else:
+        pairs = [tuple(p) if isinstance(p, (tuple, list)) else p for p in value]
+    if pairs is None or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+        raise ValueError(f"{where} must be a mapping of {what}, e.g. {example}, or a list of such pairs. "
+                         f"Received: {value!r}.")
+    return tuple(pairs)  # type: ignore[arg-type]
+
+
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}. Received: {value!r}.")
@@ -83,8 +98,12 @@ class GradPolicy:
 
     def __post_init__(self) -> None:
         _choice("GradPolicy.op", self.op, ("mean", "sum"))
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
-            raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {self.bucket_mb!r}.")
+        mb = self.bucket_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, (int, float))):
+            raise ValueError(f"GradPolicy.bucket_mb must be a number of megabytes (> 0) or None. Received: {mb!r} "
+                             f"({type(mb).__name__}).")
+        if mb is not None and not 0 < mb < math.inf:
+            raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {mb!r}.")
 
     def bucket_bytes(self, default_mb: float = 25.0) -> int:
         """The bucket size in bytes (``default_mb`` when :attr:`bucket_mb` is ``None``)."""
@@ -103,7 +122,10 @@ class MetricPolicy:
     ops: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, op: str = "mean", ops: Mapping[str, str] | Iterable[tuple[str, str]] = ()):
-        pairs = tuple(sorted(dict(ops).items()))
+        pairs = _pairs("MetricPolicy(ops=)", ops, "metric name (str) -> op", "{'samples': 'sum'}")
+        if len({name for name, _ in pairs}) != len(pairs):
+            raise ValueError(f"MetricPolicy(ops=) names a metric twice. Received: {ops!r}.")
+        pairs = tuple(sorted(pairs))
         _choice("MetricPolicy.op", op, REDUCE_OPS)
         for name, o in pairs:
             _choice(f"MetricPolicy.ops[{name!r}]", o, REDUCE_OPS)
@@ -152,12 +174,12 @@ class StatePolicy:
         default: str = "broadcast",
         use_defaults: bool = True,
     ):
-        pairs = tuple(rules.items()) if isinstance(rules, Mapping) else tuple(tuple(r) for r in rules)
+        pairs = _pairs("StatePolicy(rules=)", rules, "name pattern (str) -> action", "{'encoder.*': 'local'}")
         for pattern, action in pairs:
-            if not isinstance(pattern, str):
-                raise ValueError(f"StatePolicy patterns must be strings. Received: {pattern!r}.")
             _choice(f"StatePolicy action for {pattern!r}", action, STATE_ACTIONS)
         _choice("StatePolicy.default", default, STATE_ACTIONS)
+        if not isinstance(use_defaults, bool):
+            raise ValueError(f"StatePolicy.use_defaults must be True or False. Received: {use_defaults!r}.")
         object.__setattr__(self, "rules", pairs)
         object.__setattr__(self, "default", default)
         object.__setattr__(self, "use_defaults", bool(use_defaults))
@@ -185,8 +207,15 @@ class Mean:
     total: Any
     count: Any = 1
 
+    def __post_init__(self) -> None:
+        # Cheap (Means are made every step): only what no runtime can reduce.
+        for name, value in (("total", self.total), ("count", self.count)):
+            if value is None or isinstance(value, (str, bytes)):
+                raise TypeError(f"Mean({name}=) must be a number or a scalar tensor/array. Received: {value!r}"
+                                + (f"; convert it first: float({value!r})." if isinstance(value, str) else "."))
+
     @classmethod
-    def of(cls, value: float, count: int) -> "Mean":
+    def of(cls, value: float, count: int) -> Mean:
         """A mean ``value`` over ``count`` samples."""
         return cls(value * count, count)
 
@@ -196,7 +225,7 @@ class Mean:
         count = float(self.count)
         return float(self.total) / count if count else math.nan
 
-    def __add__(self, other: "Mean") -> "Mean":
+    def __add__(self, other: Mean) -> Mean:
         if not isinstance(other, Mean):
             return NotImplemented
         return Mean(self.total + other.total, self.count + other.count)

@@ -53,6 +53,11 @@ class Session:
     with :meth:`add_finalizer`; the session is closed at interpreter exit or by :meth:`close`.
     """
 
+    #: The runtime this session's operations run on (``Strategy.resolve_runtime``), set by the
+    #: plugin manager before any hook sees the session; ``None`` when no runtime is installed.
+    #: A runtime plugin's hooks answer only when it is theirs.
+    runtime: str | None = None
+
     def __init__(self, strategy: Strategy, manager: PluginManager, info: ProcessInfo):
         self.strategy = strategy
         self.manager = manager

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _routing
 from ._errors import NoPluginError, TopologyError
-from ._manager import get_plugin_manager
-from ._policies import DataPolicy, GradPolicy, MetricPolicy, StatePolicy
+from ._manager import PluginManager, get_plugin_manager
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
 from ._topology import Topology
 
 if TYPE_CHECKING:
-    from ._manager import PluginManager
     from ._session import Session
 
 __all__ = ["Strategy"]
 
-_FIELDS = ("topology", "timeout", "seed", "backend", "data_policy", "grad_policy", "metric_policy", "state_policy")
+_FIELDS = ("topology", "timeout", "seed", "backend", "runtime", "data_policy", "grad_policy", "metric_policy",
+           "state_policy")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
 class Strategy:
@@ -30,8 +33,13 @@ class Strategy:
         the operation, axis and rank.
     :param seed: seeds data shuffling (with the epoch) and any random state a plugin makes.
     :param batch_size: the global batch size (shortcut for ``data_policy=DataPolicy(batch_size=)``).
-    :param backend: communication backend for runtimes that have several (``"gloo"``, ``"nccl"``);
-        ``None`` picks automatically.
+    :param runtime: the runtime that runs the operations (``"torch"``, ``"jax"``, or any installed
+        runtime plugin); ``None`` chooses automatically, once per process (see
+        :meth:`resolve_runtime`).
+    :param backend: the communication backend, for runtimes that have several (``"gloo"``,
+        ``"nccl"`` for torch); ``None`` lets the runtime choose. Checked against the runtime's
+        declared backends before any process starts; it never selects the runtime by itself
+        except by narrowing the automatic choice to runtimes that offer it.
     :param data_policy, grad_policy, metric_policy, state_policy: see :mod:`polyparallel` policies.
     :param plugin_manager: the plugin manager operations dispatch through (default: the process's
         default manager). Not part of the value: it is neither compared nor pickled.
@@ -42,16 +50,20 @@ class Strategy:
     >>> loader = s.shard_data(loader); model = s.wrap_model(model)   # doctest: +SKIP
     """
 
-    __slots__ = (*_FIELDS, "_pm", "_hash")
+    __slots__ = (*_FIELDS, "_pm", "_hash", "_runtime_hint")
 
     topology: Topology
     timeout: float
     seed: int
     backend: str | None
+    runtime: str | None
     data_policy: DataPolicy
     grad_policy: GradPolicy
     metric_policy: MetricPolicy
     state_policy: StatePolicy
+    _pm: PluginManager | None
+    _hash: int
+    _runtime_hint: str | None  # the runtime chosen by the process that pickled this strategy
 
     def __init__(
         self,
@@ -64,6 +76,7 @@ class Strategy:
         seed: int = 0,
         batch_size: int | None = None,
         backend: str | None = None,
+        runtime: str | None = None,
         data_policy: DataPolicy | None = None,
         grad_policy: GradPolicy | None = None,
         metric_policy: MetricPolicy | None = None,
@@ -82,16 +95,26 @@ class Strategy:
             raise TopologyError(f"Strategy(timeout=) must be a positive number of seconds. Received: {timeout!r}.")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TopologyError(f"Strategy(seed=) must be an int. Received: {seed!r}.")
-        if backend is not None and not isinstance(backend, str):
-            raise TopologyError(f"Strategy(backend=) must be a string or None. Received: {backend!r}.")
+        for name, value in (("backend", backend), ("runtime", runtime)):
+            if value is not None and not (isinstance(value, str) and _NAME.match(value)):
+                raise TopologyError(f"Strategy({name}=) must be a name (a non-empty string) or None. "
+                                    f"Received: {value!r}.")
+        if backend == "jax":  # once the way to ask for JAX; now a runtime, not a backend
+            raise TopologyError("Strategy(backend='jax') is not a communication backend: JAX is a runtime. "
+                                "Use Strategy(runtime='jax') and leave backend=None.")
+        if plugin_manager is not None and not isinstance(plugin_manager, PluginManager):
+            raise TopologyError(f"Strategy(plugin_manager=) must be a polyparallel.PluginManager or None. "
+                                f"Received: {type(plugin_manager).__name__}.")
         if data_policy is None:
             data_policy = DataPolicy(batch_size=batch_size)
+        elif not isinstance(data_policy, DataPolicy):
+            raise TopologyError(f"Strategy(data_policy=) must be a DataPolicy. Received: {data_policy!r}.")
         elif batch_size is not None:
             data_policy = dataclasses.replace(data_policy, batch_size=batch_size)
         if state_policy is None or isinstance(state_policy, Mapping):
             state_policy = StatePolicy(state_policy or {})
         values = dict(
-            topology=topology, timeout=float(timeout), seed=seed, backend=backend,
+            topology=topology, timeout=float(timeout), seed=seed, backend=backend, runtime=runtime,
             data_policy=data_policy, grad_policy=GradPolicy() if grad_policy is None else grad_policy,
             metric_policy=MetricPolicy() if metric_policy is None else metric_policy, state_policy=state_policy,
         )
@@ -99,9 +122,11 @@ class Strategy:
                            ("metric_policy", MetricPolicy), ("state_policy", StatePolicy)):
             if not isinstance(values[name], kind):
                 raise TopologyError(f"Strategy({name}=) must be a {kind.__name__}. Received: {values[name]!r}.")
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
+        _routing.check_batch(data_policy, topology, "Strategy")
+        for field, item in values.items():
+            object.__setattr__(self, field, item)
         object.__setattr__(self, "_pm", plugin_manager)
+        object.__setattr__(self, "_runtime_hint", None)
         object.__setattr__(self, "_hash", hash(tuple(values.values())))
 
     # -- value semantics ------------------------------------------------------------------------
@@ -122,16 +147,25 @@ class Strategy:
         return self._hash
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The plugin manager stays behind: each process has its own.
-        return (_rebuild, (dict(zip(_FIELDS, self._values())),))
+        # The plugin manager stays behind: each process has its own. The runtime this process
+        # chose automatically travels along, so a launched process runs the same runtime even if
+        # it imports other frameworks than its parent.
+        pm = self._pm if self._pm is not None else _default_manager()
+        hint = pm._resolved.get(self) if pm is not None else None
+        return (_rebuild, (dict(zip(_FIELDS, self._values())), hint or self._runtime_hint))
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{a}={s}" for a, s in self.topology.sizes.items())
-        return f"Strategy({axes}, timeout={self.timeout:g}, seed={self.seed})"
+        extra = "".join(f", {name}={getattr(self, name)!r}" for name in ("runtime", "backend")
+                        if getattr(self, name) is not None)
+        return f"Strategy({axes}, timeout={self.timeout:g}, seed={self.seed}{extra})"
 
     def replace(self, **changes: Any) -> Strategy:
-        """A copy with some fields changed (``topology``, ``timeout``, a policy, or axis sizes)."""
+        """A copy with some fields changed (``topology``, ``timeout``, ``runtime``, a policy, axis
+        sizes, or ``batch_size``)."""
         values = dict(zip(_FIELDS, self._values()))
+        if "batch_size" in changes:
+            values["batch_size"] = changes.pop("batch_size")
         axes = {a: changes.pop(a) for a in ("data", "tensor", "pipeline") if a in changes}
         if axes and "topology" in changes:
             raise TopologyError(
@@ -166,17 +200,75 @@ class Strategy:
         """Number of launched processes."""
         return self.session().world_size
 
-    def check(self, target: str, world_size: int | None = None) -> None:
-        """Refuse, before anything starts, a topology that ``target`` (a runtime or adapter name)
-        declared it cannot run. ``world_size`` also checks that the topology fits that many ranks."""
+    def resolve_runtime(self) -> str:
+        """The runtime this strategy runs on in this process, chosen once (then cached).
+
+        ``Strategy(runtime=name)`` is that runtime (it must be installed). With ``runtime=None``:
+
+        1. a strategy pickled by a process that had chosen already (``polyparallel.launch``)
+           keeps that choice;
+        2. the only installed runtime (one whose declared ``imports`` can be imported), among
+           those that offer ``backend`` when one is given;
+        3. else the only one whose framework is already imported in this process;
+        4. else the one with the highest declared ``priority`` (torch before jax); a tie is an
+           error asking for ``Strategy(runtime=)``. Never the order hooks were registered in.
+
+        :raises NoPluginError: no runtime is installed (with the extra to install), or the one
+            asked for is not, or its plugin failed to load (naming its error).
+        :raises TopologyError: ``backend`` is not one the runtime declares.
+        """
+        return _routing.require(self.plugin_manager, self)
+
+    def check(self, target: str | None = None, world_size: int | None = None) -> None:
+        """Refuse, before anything starts, what cannot run.
+
+        :param target: a runtime or adapter name whose capabilities must admit the topology
+            (an adapter also needs this strategy's runtime to be one it runs on); ``None``
+            checks against the runtime :meth:`resolve_runtime` chooses.
+        :param world_size: also check that the topology fits that many ranks, and that the
+            global batch size divides over the data axis.
+        """
         topology = self.topology.resolve(world_size) if world_size is not None else self.topology
-        caps = self.plugin_manager.capabilities()
-        if target not in caps:
-            raise NoPluginError(
-                f"No installed plugin provides the target {target!r}. Known targets: "
-                f"{', '.join(sorted(caps)) or 'none'}. Install its extra: pip install 'polyparallel[{target}]'."
-            )
-        caps[target].check(topology)
+        pm = self.plugin_manager
+        if target is None:
+            runtime = _routing.require(pm, self)
+            pm.runtimes()[runtime].check(topology)
+        else:
+            if not isinstance(target, str) or not target:
+                raise TypeError(f"check(target=) must be a runtime or adapter name. Received: {target!r}.")
+            runtimes, adapters = pm.runtimes(), pm.adapters()
+            if target not in runtimes and target not in adapters:
+                known = sorted(set(runtimes) | set(adapters))
+                named, others = _routing.broken_named(pm, target)
+                hint = named or f"Install its extra: pip install 'polyparallel[{target}]'."
+                raise NoPluginError(_routing.sentences(
+                    f"No installed plugin provides the target {target!r}. Known targets: "
+                    f"{', '.join(known) or 'none'}.", hint, others))
+            if target in runtimes:
+                runtimes[target].check(topology)
+                _routing.require(pm, self, {target: f"Strategy.check({target!r})"})
+            if target in adapters:
+                self._adapter_strategy(adapters[target], topology)
+        if topology.is_resolved:
+            _routing.check_batch(self.data_policy, topology, f"{self!r} on {topology.world_size} ranks")
+
+    def _adapter_strategy(self, adapter: Any, topology: Topology) -> Strategy:
+        """Check ``adapter`` can run this strategy; the strategy its factory gets (the same, or
+        one whose runtime is pinned to the adapter's when the automatic choice differs)."""
+        caps = adapter.capabilities
+        caps.check(topology)
+        if not caps.runtimes:
+            return self
+        who = f"the adapter {adapter.name!r} (plugin {adapter.plugin!r})"
+        runtime = _routing.require(self.plugin_manager, self, {rt: who for rt in caps.runtimes})
+        if self.runtime is None:
+            try:
+                own = self.plugin_manager.resolve_runtime(self)
+            except TopologyError:
+                own = None
+            if own != runtime:
+                return self.replace(runtime=runtime)
+        return self
 
     # -- the five operations ------------------------------------------------------------------------
     def shard_data(self, data: Any, **overrides: Any) -> Any:
@@ -202,7 +294,11 @@ class Strategy:
         Epochs: the torch sampler advances its epoch only after a full pass, or follows
         ``sampler.set_epoch(e)``, so a rank that peeks at a batch stays in step with its replicas.
         """
-        policy = dataclasses.replace(self.data_policy, **overrides) if overrides else self.data_policy
+        if overrides:
+            policy = _routing.data_policy_with(self.data_policy, overrides)
+            _routing.check_batch(policy, self.session().topology, "shard_data()")
+        else:
+            policy = self.data_policy
         return self._dispatch("shard_data", data, data=data, policy=policy)
 
     def wrap_model(self, model: Any, **options: Any) -> Any:
@@ -218,6 +314,8 @@ class Strategy:
         """Reduce ``name -> value`` over the data group; :class:`Mean` values count-weighted."""
         if not isinstance(metrics, Mapping):
             raise TypeError(f"reduce_metrics() takes a mapping of name -> value. Received: {type(metrics).__name__}.")
+        for name, value in metrics.items():
+            _check_metric(name, value)
         return self._dispatch("reduce_metrics", metrics, metrics=dict(metrics))
 
     def sync_states(self, states: Any) -> Any:
@@ -228,20 +326,48 @@ class Strategy:
         """A framework-native object built from this strategy by the adapter registered as ``name``
         (``"lightning"``, ``"ignite"``, ...). The topology is checked against the adapter's
         capabilities first."""
-        adapters = self.plugin_manager.adapters()
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"adapt(name=) must be an adapter name such as 'lightning'. Received: {name!r}.")
+        pm = self.plugin_manager
+        adapters = pm.adapters()
         if name not in adapters:
-            raise NoPluginError(
+            named, others = _routing.broken_named(pm, name)
+            hint = named or f"Install its extra: pip install 'polyparallel[{name}]'."
+            raise NoPluginError(_routing.sentences(
                 f"No adapter named {name!r} is registered. Registered adapters: "
-                f"{', '.join(sorted(adapters)) or 'none'}. Install its extra: pip install 'polyparallel[{name}]'."
-            )
+                f"{', '.join(sorted(adapters)) or 'none'}.", hint, others))
         adapter = adapters[name]
-        adapter.capabilities.check(self.topology)
-        return adapter.factory(self, **kwargs)
+        strategy = self._adapter_strategy(adapter, self.topology)
+        return adapter.factory(strategy, **kwargs)
 
     def _dispatch(self, operation: str, subject: Any, **kwargs: Any) -> Any:
         pm = self.plugin_manager
         return pm.dispatch(operation, subject, strategy=self, session=pm.session(self), **kwargs)
 
 
-def _rebuild(values: dict[str, Any]) -> Strategy:
-    return Strategy(**values)
+def _check_metric(name: Any, value: Any) -> None:
+    # Cheap type checks only (this runs every step): what no runtime can reduce is refused here
+    # with the fix, instead of "no plugin handles a dict" after the dispatch.
+    if not isinstance(name, str):
+        raise TypeError(f"reduce_metrics(): metric names must be strings. Received the name {name!r} "
+                        f"({type(name).__name__}).")
+    inner = value.total if isinstance(value, Mean) else value
+    if isinstance(inner, (str, bytes, Mapping, list, tuple, set)) or inner is None:
+        fix = f" Convert it first: float({inner!r})." if isinstance(inner, str) else ""
+        raise TypeError(f"reduce_metrics(): metric {name!r} is {type(inner).__name__} {inner!r:.60}; expected a "
+                        f"number, a polyparallel.Mean, or a scalar tensor/array of the runtime.{fix}")
+    if isinstance(value, Mean) and isinstance(value.count, (str, bytes)):
+        raise TypeError(f"reduce_metrics(): metric {name!r} is Mean(count={value.count!r}); the count must be a "
+                        "number (or a tensor/array).")
+
+
+def _default_manager() -> PluginManager | None:
+    from . import _manager
+
+    return _manager._default
+
+
+def _rebuild(values: dict[str, Any], hint: str | None = None) -> Strategy:
+    strategy = Strategy(**values)
+    object.__setattr__(strategy, "_runtime_hint", hint)
+    return strategy

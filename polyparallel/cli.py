@@ -8,8 +8,10 @@ from typing import Any
 
 import click
 
+from . import hookspecs
 from ._errors import PolyparallelError
 from ._manager import get_plugin_manager
+from ._routing import check_batch
 from ._strategy import Strategy
 from ._topology import AXES, Topology
 
@@ -32,17 +34,26 @@ def cli() -> None:
 @cli.command()
 @click.option("--world", "world_size", type=int, required=True, help="number of ranks")
 @_axis_options
+@click.option("--runtime", default=None, help="also check the topology against this runtime or adapter "
+                                               "(its declared capabilities), as launch does")
+@click.option("--batch-size", type=int, default=None, help="also check that this global batch divides over the data axis")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
-def plan(world_size: int, as_json: bool, **sizes: int) -> None:
+def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | None, **sizes: int) -> None:
     """Show the rank grid, the groups of every axis and the rank roles."""
     try:
-        topology = Topology(**sizes).resolve(world_size)
-    except PolyparallelError as exc:
+        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size)
+        topology = strategy.topology.resolve(world_size)
+        if runtime is not None:
+            strategy.check(runtime, world_size=world_size)  # capabilities, runtime, batch size
+        else:
+            check_batch(strategy.data_policy, topology, f"--batch-size {batch_size}")
+    except (PolyparallelError, ValueError) as exc:  # policies raise ValueError naming the field
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(topology.to_dict(), indent=2))
+        click.echo(json.dumps({**topology.to_dict(), **({"runtime": runtime} if runtime else {})}, indent=2))
         return
-    click.echo(f"{topology!r}  world size {topology.world_size}\n")
+    click.echo(f"{topology!r}  world size {topology.world_size}"
+               + (f"  (runs on {runtime!r})" if runtime else "") + "\n")
     header = ["rank", *AXES, "roles"]
     rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
             for r in range(topology.world_size)]
@@ -58,32 +69,66 @@ def plan(world_size: int, as_json: bool, **sizes: int) -> None:
 @click.option("--all", "show_all", is_flag=True, help="include the core's own default plugin")
 @click.option("--hook", "hook_name", default=None, help="only plugins implementing this hook")
 def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
-    """List installed plugins: name, version, hooks, adapters, capabilities."""
+    """List installed plugins (name, version, hooks, adapters, capabilities), the runtimes with
+    what they need, and the plugins that failed to load."""
     pm = get_plugin_manager()
     infos = [p for p in pm.plugins() if show_all or p.name != "polyparallel.core"]
+    broken = pm.broken()
     if hook_name:
-        infos = [p for p in infos if hook_name in p.hooks or f"polyparallel_{hook_name}" in p.hooks]
-    adapters = pm.adapters()
-    caps = pm.capabilities()
-    records = []
+        known = sorted(n for n in vars(hookspecs) if n.startswith("polyparallel_"))
+        full = hook_name if hook_name.startswith("polyparallel_") else f"polyparallel_{hook_name}"
+        if full not in known:
+            raise click.ClickException(f"--hook {hook_name!r} is not a polyparallel hook. Hooks: "
+                                       f"{', '.join(h.removeprefix('polyparallel_') for h in known)}.")
+        infos = [p for p in infos if full in p.hooks]
+        broken = []
+    try:
+        adapters = pm.adapters()
+        runtimes = pm.runtimes()
+        caps = pm.capabilities()
+    except PolyparallelError as exc:
+        raise click.ClickException(str(exc)) from None
+    records: list[dict[str, Any]] = []
     for p in infos:
+        declared = [c.to_dict() for c in caps.values() if c.plugin == p.name]
+        for entry in declared:
+            if entry["target"] in runtimes and runtimes[entry["target"]].plugin == p.name:
+                entry["missing_imports"] = runtimes[entry["target"]].missing_imports()
         records.append({
             "name": p.name, "module": p.module, "distribution": p.dist, "version": p.version,
             "hooks": list(p.hooks),
             "adapters": sorted(a.name for a in adapters.values() if a.plugin == p.name),
-            "capabilities": [c.to_dict() for c in caps.values() if c.plugin == p.name],
+            "capabilities": declared, "error": None,
         })
+    for b in broken:
+        records.append({"name": b.name, "module": b.value, "distribution": b.dist, "version": b.version, "hooks": [],
+                        "adapters": [], "capabilities": [], "error": b.error})
     if as_json:
         click.echo(json.dumps(records, indent=2))
         return
     if not records:
         click.echo("no plugins installed")
         return
-    rows = [[r["name"], r["version"] or "-", ", ".join(h.removeprefix("polyparallel_") for h in r["hooks"]),
+    rows = [[r["name"], r["version"] or "-", ", ".join(h.removeprefix("polyparallel_") for h in r["hooks"]) or "-",
              ", ".join(r["adapters"]) or "-",
              "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-"]
-            for r in records]
+            for r in records if r["error"] is None]
     click.echo(_table(["plugin", "version", "hooks", "adapters", "axes"], rows))
+    if runtimes and not hook_name:
+        click.echo("")
+        click.echo(_table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [
+            [name, c.plugin, "yes" if not c.missing_imports() else f"no (needs {', '.join(c.missing_imports())})",
+             "yes" if c.imported() else "no", ", ".join(sorted(c.backends)) or "-", str(c.priority)]
+            for name, c in sorted(runtimes.items())]))
+        try:
+            chosen = pm.resolve_runtime(Strategy())
+            click.echo(f"\nautomatic choice here (Strategy(runtime=None)): {chosen or 'none: no runtime is installed'}")
+        except PolyparallelError as exc:
+            click.echo(f"\nautomatic choice here (Strategy(runtime=None)): none ({exc})")
+    for r in records:
+        if r["error"] is not None:
+            click.echo(f"\nfailed to load: {r['name']} ({r['module']} from {r['distribution'] or '-'} "
+                       f"{r['version'] or ''}): {r['error']}".rstrip())
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -145,7 +190,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 

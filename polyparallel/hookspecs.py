@@ -1,16 +1,28 @@
 """Hook specifications: the whole contract between the core and its plugins.
 
-Every hook is named ``polyparallel_<what>``. Implementations may accept any subset of a spec's
-arguments, so specs grow only by adding keyword arguments. The five operations are ``firstresult``:
-a plugin that does not own the object returns ``None`` and the next plugin is asked; when nobody
-answers, the core raises :class:`~polyparallel.NoPluginError` naming the installed plugins and the
-extra to install. Cross-cutting concerns (timing, tracing) are hook wrappers ordered with
-``tryfirst``/``trylast``.
+Every hook is named ``polyparallel_<what>``; a plugin implementing a ``polyparallel_*`` name that
+is not specified here is refused when it is registered (a misspelling would otherwise never be
+called). Implementations may accept any subset of a spec's arguments, so specs grow only by
+adding keyword arguments.
+
+Routing. A *runtime* plugin (torch, JAX) declares its runtime with ``polyparallel_capabilities``;
+each strategy runs on one runtime, chosen once per process (``Strategy.resolve_runtime``) and
+handed to the hooks as ``session.runtime`` (``runtime=`` for ``process_info`` and ``launch``). A
+runtime's hooks answer only when it is that runtime, and return ``None`` otherwise. Plugins that
+are not runtimes (a data type of their own, an adapter) answer by the object's type.
+
+The five operations are ``firstresult``: a plugin that does not own the object returns ``None``
+and the next plugin is asked; when nobody answers, the core raises
+:class:`~polyparallel.NoPluginError` naming the installed plugins, a plugin that failed to load,
+or the extra to install. Cross-cutting concerns (timing, tracing) are hook wrappers
+(``@hookimpl(wrapper=True)``) ordered with ``tryfirst``/``trylast``; they see every call,
+registry hooks included.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -42,11 +54,18 @@ def polyparallel_register_adapters(register: Callable[..., None]) -> None:
 
 @hookspec
 def polyparallel_capabilities() -> Capabilities | list[Capabilities] | None:
-    """Declare which runtimes this plugin provides and which axes and features they support.
+    """Declare which runtimes this plugin provides, what they need and what they can run.
+
+    Called through pluggy once per implementing plugin (so each declaration is attributed to its
+    plugin, with every wrapper around it), lazily, and cached until the plugins change.
 
     :return: a :class:`~polyparallel.Capabilities` (or a list of them) whose ``target`` names a
-        runtime (``"torch"``), or ``None``. ``Strategy.check(target)`` and ``launch(...,
-        runtime=target)`` refuse a topology the target cannot run.
+        runtime (``"torch"``), or ``None``. Fill in ``axes``/``excludes`` (what topologies it
+        runs), ``imports`` (the modules it needs: ``{"torch"}``; the runtime counts as installed
+        when they can be imported), ``backends`` (the values ``Strategy(backend=)`` may take) and
+        ``priority`` (the automatic choice among several installed runtimes). ``pp.launch``,
+        session creation and ``Strategy.check`` refuse a topology the runtime cannot run before
+        any process or process group exists.
     """
 
 
@@ -67,14 +86,15 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
 
 
 @hookspec(firstresult=True)
-def polyparallel_process_info(strategy: Strategy) -> ProcessInfo | None:
+def polyparallel_process_info(strategy: Strategy, runtime: str | None) -> ProcessInfo | None:
     """Tell this process's rank and the world size. Stops at first non-None result.
 
     The core's own implementation (``trylast``) reads the launcher's environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``; rank 0 of 1 when unset). A runtime whose launcher sets
-    other variables implements this.
+    ``WORLD_SIZE``, ``LOCAL_RANK``; rank 0 of 1 when unset). A runtime whose ranks are not
+    processes (JAX: devices) answers for its own runtime only.
 
     :param strategy: the strategy whose session is being created.
+    :param runtime: the runtime the session will run on (``None``: no runtime is installed).
     :return: a :class:`~polyparallel.ProcessInfo`, or ``None`` to let the next plugin answer.
     """
 
@@ -103,7 +123,8 @@ def polyparallel_session_finish(session: Session) -> None:
 
 @hookspec(firstresult=True)
 def polyparallel_launch(
-    fn: Callable[..., Any], strategy: Strategy, nprocs: int, args: tuple, kwargs: dict, timeout: float | None
+    fn: Callable[..., Any], strategy: Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
+    timeout: float | None,
 ) -> list[Any] | None:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
 
@@ -112,7 +133,10 @@ def polyparallel_launch(
     and the other ranks are stopped.
 
     :param fn: a picklable (module-level) callable.
-    :param strategy: the strategy; its topology was already resolved against ``nprocs``.
+    :param strategy: the strategy; its topology was already resolved against ``nprocs`` and
+        checked against ``runtime``'s capabilities. Pickle it into the processes as it is: it
+        carries the runtime choice.
+    :param runtime: the runtime chosen for the strategy; answer only if it is yours.
     :param nprocs: number of processes on this machine.
     :param args: positional arguments for ``fn``.
     :param kwargs: keyword arguments for ``fn``.
@@ -147,7 +171,8 @@ def polyparallel_shard_data(strategy: Strategy, session: Session, data: Any, pol
     is handled); shuffling is deterministic from ``(strategy.seed, epoch)``.
 
     :param strategy: the strategy.
-    :param session: this process's session (rank, resolved topology, stash).
+    :param session: this process's session (rank, resolved topology, ``runtime``, stash). A runtime
+        plugin answers only when ``session.runtime`` is its runtime.
     :param data: a data set or loader of some framework.
     :param policy: the :class:`~polyparallel.DataPolicy` with per-call overrides applied.
     :return: the sharded object, or ``None`` if this plugin does not own ``data``'s type.
@@ -168,7 +193,7 @@ def polyparallel_wrap_model(strategy: Strategy, session: Session, model: Any, op
     Pipeline axis: split into stages.
 
     :param strategy: the strategy.
-    :param session: this process's session.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
     :param model: a model of some framework.
     :param options: keyword arguments given to ``Strategy.wrap_model`` (e.g. ``plan``).
     :return: the wrapped model, or ``None`` if this plugin does not own ``model``'s type.
@@ -187,7 +212,7 @@ def polyparallel_sync_grads(strategy: Strategy, session: Session, target: Any) -
     Where a wrapper already reduced them (DDP), this is a documented no-op that still answers.
 
     :param strategy: the strategy.
-    :param session: this process's session.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
     :param target: a model, or gradients (a pytree) of some framework.
     :return: the synced target (gradients for a pytree; the model for a model), or ``None`` if
         this plugin does not own ``target``'s type.
@@ -208,7 +233,7 @@ def polyparallel_reduce_metrics(strategy: Strategy, session: Session, metrics: d
     this raise :class:`~polyparallel.CollectiveTimeout` naming the operation, axis and rank.
 
     :param strategy: the strategy.
-    :param session: this process's session.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
     :param metrics: name -> value (numbers, tensors/arrays of a runtime, ``Mean``).
     :return: name -> reduced float (or tensor/array for tensor/array inputs), or ``None`` if
         this plugin does not own the values' types.
@@ -220,7 +245,7 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
     """Synchronise state collections per ``strategy.state_policy``. Stops at first non-None result.
 
     :param strategy: the strategy.
-    :param session: this process's session.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
     :param states: a model (its buffers and parameters) or a mapping of named state collections.
     :return: the synced states, or ``None`` if this plugin does not own ``states``' type.
     """

@@ -15,7 +15,7 @@ __all__: list[str] = []
 #: Data, tensor (DTensor plans) and pipeline (``torch.distributed.pipelining``) — each with data;
 #: pipeline together with tensor is declared unsupported, so it is refused before launch.
 CAPABILITIES = pp.Capabilities(
-    "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
+    "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},), runtimes={"torch"},
     features={"ddp", "tensor_parallel_plan", "gpipe", "metrics_over_data_group", "timeouts", "idist_parallel"},
 )
 

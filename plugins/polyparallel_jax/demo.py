@@ -68,7 +68,7 @@ def _main(spec: str) -> None:
     options = json.loads(spec)
     pm = pp.PluginManager(autoload=False)
     pm.register(plugin, name="jax")
-    strategy = pp.Strategy(**options["sizes"], seed=options["seed"], timeout=options["timeout"], backend="jax",
+    strategy = pp.Strategy(**options["sizes"], seed=options["seed"], timeout=options["timeout"], runtime="jax",
                            plugin_manager=pm)
     print(json.dumps(train(strategy)), flush=True)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import polyparallel as pp
 
-from .runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_RUNTIME, ensure_distributed
+from .runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ensure_distributed
 
 __all__ = ["launch_processes", "process_env"]
 
@@ -40,7 +40,7 @@ def process_env(process_id: int, nprocs: int, port: int, devices_per_process: in
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
     env.update({
         ENV_COORDINATOR: f"127.0.0.1:{port}", ENV_NUM_PROCESSES: str(nprocs), ENV_PROCESS_ID: str(process_id),
-        ENV_RUNTIME: "jax", "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_process}".strip(),
     })
     return env

@@ -2,29 +2,31 @@
 
 Importing this module is cheap: JAX, Flax and optax are imported inside the hooks.
 
-Dispatch (every operation hook is ``firstresult``; a hook returns ``None`` for objects that are
-not JAX's, so the next plugin is asked):
+Routing: the JAX runtime (``Strategy(runtime="jax")``, or the automatic choice where JAX is the
+only runtime installed or imported) is declared by ``polyparallel_capabilities``. Every hook
+below answers only for sessions whose runtime is ``"jax"`` (``session.runtime``; ``runtime=``
+for ``process_info`` and ``launch``), so a torch strategy never reaches JAX and a JAX strategy
+never reaches torch. Within the JAX runtime, each operation owns its objects:
 
-- ``shard_data`` owns numpy arrays and tuples/lists/dicts of them (host data). torch objects are
-  never numpy arrays, but another plugin may also accept numpy, so this hook is ``trylast``: it
-  answers only when no other plugin took the object.
-- ``wrap_model`` owns ``flax.nnx.Module``; ``sync_grads`` owns pytrees of ``jax.Array`` (tracers
-  included); ``reduce_metrics`` owns mappings whose values are all ``jax.Array`` or
-  ``polyparallel.Mean`` of them (plain numbers are left to other runtimes); ``sync_states`` owns
-  NNX modules and states and mappings of ``jax.Array``.
-- ``process_info`` (``tryfirst``) answers only for JAX strategies (``backend="jax"`` or
-  ``POLYPARALLEL_RUNTIME=jax``): their ranks are devices, not processes. ``launch`` likewise.
+- ``shard_data``: numpy arrays and tuples/lists/dicts of them (host data);
+- ``wrap_model``: ``flax.nnx.Module``; ``sync_grads``: pytrees of ``jax.Array`` (tracers included);
+- ``reduce_metrics``: numbers, ``jax.Array`` and ``polyparallel.Mean`` of them;
+- ``sync_states``: NNX modules and states, and mappings of ``jax.Array``;
+- ``process_info``: ranks are devices, not processes; ``launch``: JAX processes joined by
+  ``jax.distributed``.
 """
 
 from __future__ import annotations
 
+import numbers
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import polyparallel as pp
 
-from .runtime import is_jax_strategy
+#: The runtime name this plugin answers for.
+RUNTIME = "jax"
 
 FEATURES = frozenset({"shard_map", "gspmd_tensor_parallel", "partition_rules", "sync_batch_stats",
                       "multi_process", "collective_timeout", "elegy_model"})
@@ -36,8 +38,8 @@ def _jax_loaded() -> bool:
     return "jax" in sys.modules
 
 
-def _capabilities(target: str) -> pp.Capabilities:
-    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES)
+def _capabilities(target: str, **runtime: Any) -> pp.Capabilities:
+    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES, **runtime)
 
 
 # -- registration ------------------------------------------------------------------------------
@@ -45,8 +47,10 @@ def _capabilities(target: str) -> pp.Capabilities:
 
 @pp.hookimpl
 def polyparallel_capabilities() -> pp.Capabilities:
-    """The JAX runtime runs ``data`` and ``tensor`` axes (no pipeline stages)."""
-    return _capabilities("jax")
+    """The JAX runtime runs ``data`` and ``tensor`` axes (no pipeline stages); it needs jax, has no
+    communication backend to choose (``Strategy(backend=None)``), and comes after torch in the
+    automatic choice (priority 0)."""
+    return _capabilities(RUNTIME, imports={"jax", "jaxlib"}, priority=0)  # jax.Array lives in jaxlib
 
 
 @pp.hookimpl
@@ -54,7 +58,7 @@ def polyparallel_register_adapters(register: Callable[..., None]) -> None:
     """``strategy.adapt("jax")`` (alias ``"elegy"``) -> :class:`polyparallel_jax.Model` bound to
     the strategy (``adapt("jax", module=..., loss=...)``), or a factory of them without ``module``."""
     for name in ("jax", "elegy"):
-        register(name, _model_factory, capabilities=_capabilities(name),
+        register(name, _model_factory, capabilities=_capabilities(name, runtimes={RUNTIME}),
                  description="Elegy-style Model(module, loss, optimizer, metrics).fit(..., strategy=) on Flax NNX")
 
 
@@ -80,9 +84,9 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
 
 
 @pp.hookimpl(tryfirst=True)
-def polyparallel_process_info(strategy: pp.Strategy) -> pp.ProcessInfo | None:
-    """For a JAX strategy, the world is the JAX devices (joins the multi-process world first)."""
-    if not is_jax_strategy(strategy):
+def polyparallel_process_info(runtime: str | None) -> pp.ProcessInfo | None:
+    """On the JAX runtime, the world is the JAX devices (joins the multi-process world first)."""
+    if runtime != RUNTIME:
         return None
     from .runtime import process_info
 
@@ -90,11 +94,11 @@ def polyparallel_process_info(strategy: pp.Strategy) -> pp.ProcessInfo | None:
 
 
 @pp.hookimpl(tryfirst=True)
-def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple,
+def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple,
                         kwargs: dict, timeout: float | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
-    ``jax.distributed``; only for JAX strategies."""
-    if not is_jax_strategy(strategy):
+    ``jax.distributed``; only on the JAX runtime."""
+    if runtime != RUNTIME:
         return None
     from .launch import launch_processes
 
@@ -108,7 +112,7 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: i
 @pp.hookimpl(trylast=True)
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
     """Numpy host data -> :class:`polyparallel_jax.data.ShardedArrays` over the data axis."""
-    if "numpy" not in sys.modules:
+    if session.runtime != RUNTIME or "numpy" not in sys.modules:
         return None
     from .data import ShardedArrays, is_host_data
 
@@ -122,7 +126,7 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
 @pp.hookimpl
 def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
     """An ``nnx.Module`` -> :class:`polyparallel_jax.ops.ShardedModule` (``plan=`` partition rules)."""
-    if "flax" not in sys.modules:
+    if session.runtime != RUNTIME or "flax" not in sys.modules:
         return None
     from flax import nnx
 
@@ -138,9 +142,9 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 
 
 @pp.hookimpl
-def polyparallel_sync_grads(strategy: pp.Strategy, target: Any) -> Any:
+def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
     """Gradients (a pytree of ``jax.Array``) -> their mean over ``data``."""
-    if not _jax_loaded():
+    if session.runtime != RUNTIME or not _jax_loaded():
         return None
     from .ops import is_jax_tree, sync_grads
 
@@ -149,20 +153,25 @@ def polyparallel_sync_grads(strategy: pp.Strategy, target: Any) -> Any:
 
 @pp.hookimpl
 def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
-    """``jax.Array`` / ``Mean`` values -> reduced over ``data``, count-weighted."""
-    if not _jax_loaded() or not metrics:
+    """Numbers, ``jax.Array`` and ``Mean`` values -> reduced over ``data``, count-weighted."""
+    if session.runtime != RUNTIME or not metrics:
         return None
     from .ops import is_jax_metric, reduce_metrics
 
-    if not all(is_jax_metric(v) for v in metrics.values()):
+    plain = [_is_number(v) for v in metrics.values()]
+    if not all(p or is_jax_metric(v) for p, v in zip(plain, metrics.values())):
         return None
-    return reduce_metrics(strategy, _runtime_if_concrete(strategy, session), session.rank, metrics)
+    runtime = _runtime_if_concrete(strategy, session)
+    reduced = reduce_metrics(strategy, runtime, session.rank, metrics)
+    if all(plain) and runtime is not None:  # numbers in, numbers out (as on every runtime)
+        return {name: float(value) for name, value in reduced.items()}
+    return reduced
 
 
 @pp.hookimpl
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
     """NNX module/state or mapping of ``jax.Array`` -> synced per ``strategy.state_policy``."""
-    if not _jax_loaded():
+    if session.runtime != RUNTIME or not _jax_loaded():
         return None
     from flax import nnx
 
@@ -171,6 +180,13 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
     if not isinstance(states, (nnx.Module, nnx.State)) and not (isinstance(states, dict) and is_jax_tree(states)):
         return None
     return sync_states(strategy, _runtime_if_concrete(strategy, session), session.rank, states)
+
+
+def _is_number(value: Any) -> bool:
+    # Plain numbers (and Means of them): on the JAX runtime they are this process's values.
+    if isinstance(value, pp.Mean):
+        return isinstance(value.total, numbers.Real) and isinstance(value.count, numbers.Real)
+    return isinstance(value, numbers.Real)
 
 
 def _runtime_if_concrete(strategy: pp.Strategy, session: pp.Session) -> Any:

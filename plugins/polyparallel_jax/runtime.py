@@ -25,40 +25,42 @@ if TYPE_CHECKING:
     import jax
 
 __all__ = [
-    "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_RUNTIME", "JaxRuntime",
+    "ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "JaxRuntime",
     "as_jax_strategy", "ensure_distributed", "is_jax_strategy", "process_info", "resolve_for_devices",
     "runtime_for",
 ]
 
-ENV_RUNTIME = "POLYPARALLEL_RUNTIME"
 ENV_COORDINATOR = "POLYPARALLEL_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "POLYPARALLEL_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "POLYPARALLEL_JAX_PROCESS_ID"
-#: The ``Strategy(backend=...)`` value that marks a strategy as run by JAX (ranks are devices).
-BACKEND = "jax"
+#: The runtime name: ``Strategy(runtime="jax")`` runs on this plugin (ranks are devices).
+RUNTIME = "jax"
 
 _init_lock = threading.Lock()
 
 
 def is_jax_strategy(strategy: pp.Strategy) -> bool:
-    """Whether ``strategy``'s ranks are JAX devices: ``backend="jax"``, or a process started
-    with ``POLYPARALLEL_RUNTIME=jax`` (our launcher and demo set it)."""
-    return strategy.backend == BACKEND or os.environ.get(ENV_RUNTIME) == BACKEND
+    """Whether ``strategy`` runs on the JAX runtime in this process (its ranks are JAX devices):
+    ``Strategy(runtime="jax")``, or the automatic choice (:meth:`polyparallel.Strategy.resolve_runtime`)."""
+    if strategy.runtime is not None:
+        return strategy.runtime == RUNTIME
+    return strategy.plugin_manager.resolve_runtime(strategy) == RUNTIME
 
 
 def as_jax_strategy(strategy: pp.Strategy) -> pp.Strategy:
-    """``strategy`` marked as a JAX strategy (``backend="jax"``), so its session counts devices.
+    """``strategy`` on the JAX runtime (``runtime="jax"``), so its session counts devices.
 
-    Raises ``ValueError`` for another backend: JAX has one collective substrate per platform
-    (gloo on CPU), there is nothing to choose.
+    ``runtime=None`` becomes ``"jax"``; another runtime is refused: a JAX model cannot run on it.
     """
     if not isinstance(strategy, pp.Strategy):
         raise TypeError(f"strategy must be a polyparallel.Strategy. Received: {type(strategy).__name__}.")
-    if strategy.backend in (None, BACKEND):
-        return strategy if strategy.backend == BACKEND else strategy.replace(backend=BACKEND)
+    if strategy.runtime == RUNTIME:
+        return strategy
+    if strategy.runtime is None:
+        return strategy.replace(runtime=RUNTIME)
     raise ValueError(
-        f"The JAX runtime needs Strategy(backend=None or 'jax'). Received: backend={strategy.backend!r}. "
-        "JAX picks its collectives itself (gloo for CPU processes)."
+        f"A JAX model runs on the JAX runtime. Received: Strategy(runtime={strategy.runtime!r}). "
+        "Use Strategy(runtime='jax') or runtime=None."
     )
 
 

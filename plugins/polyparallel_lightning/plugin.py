@@ -24,7 +24,7 @@ __all__ = ["CAPABILITIES", "adapt"]
 #: Data and tensor parallelism (and both at once); no pipeline stages: Lightning's training loop
 #: runs one forward/backward per step on every rank, which a pipeline schedule would replace.
 CAPABILITIES = pp.Capabilities(
-    "lightning", axes={"data", "tensor"},
+    "lightning", axes={"data", "tensor"}, runtimes={"torch"},  # Lightning trains torch modules
     features={"lightning.pytorch", "pytorch_lightning", "ddp", "tensor_parallel_plan", "lightning_launcher",
               "external_launcher", "sync_dist_over_data", "consolidated_checkpoints"},
 )

@@ -1,5 +1,7 @@
 """Hook implementations of the torch runtime plugin (entry point ``torch``).
 
+Every hook answers only for sessions whose runtime is ``"torch"`` (``session.runtime``; ``runtime=``
+for ``launch``), and returns ``None`` otherwise, so another runtime's strategy never reaches torch.
 Importing this module is cheap: torch is imported inside the hooks, and only once the object
 handed to an operation could be torch's (if ``torch`` was never imported, it cannot be).
 """
@@ -15,9 +17,13 @@ from polyparallel import hookimpl
 
 __all__: list[str] = []
 
+RUNTIME = "torch"
+
 CAPABILITIES = pp.Capabilities(
-    "torch", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
+    RUNTIME, axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
     features={"ddp", "tensor_parallel_plan", "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
+    # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
+    imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
 )
 
 
@@ -56,14 +62,14 @@ def polyparallel_capabilities() -> pp.Capabilities:
 
 @hookimpl
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
-    if not _torch_loaded() or not isinstance(data, (_lazy.Dataset, _lazy.DataLoader)):
+    if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(data, (_lazy.Dataset, _lazy.DataLoader)):
         return None
     return _lazy.data.shard_loader(data, session, policy, strategy)
 
 
 @hookimpl
 def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
-    if not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
+    if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
     options = _lazy.model.validate(model, session.topology, options)  # before any collective
     return _lazy.model.wrap_module(model, _runtime(session), options)
@@ -71,7 +77,7 @@ def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, 
 
 @hookimpl
 def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
-    if not _torch_loaded():
+    if session.runtime != RUNTIME or not _torch_loaded():
         return None
     if isinstance(target, _lazy.nn.Module) or (
         isinstance(target, (list, tuple)) and target
@@ -82,9 +88,8 @@ def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
 
 
 def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
-    # Ours: any torch tensor, or only plain numbers/Means — the framework-free case, which this
-    # hook (trylast) answers when no other runtime claimed it first. A mapping holding another
-    # runtime's arrays is not ours.
+    # Ours (on the torch runtime): any torch tensor, or only plain numbers/Means. A mapping
+    # holding another framework's arrays is not ours.
     import numbers
 
     values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
@@ -95,14 +100,14 @@ def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
 
 @hookimpl(trylast=True)
 def polyparallel_reduce_metrics(session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
-    if not _owns_metrics(metrics):
+    if session.runtime != RUNTIME or not _owns_metrics(metrics):
         return None
     return _lazy.metrics.reduce(metrics, _runtime(session))
 
 
 @hookimpl
 def polyparallel_sync_states(session: pp.Session, states: Any) -> Any:
-    if not _torch_loaded():
+    if session.runtime != RUNTIME or not _torch_loaded():
         return None
     if not (isinstance(states, _lazy.nn.Module) or (
             isinstance(states, Mapping) and states
@@ -112,8 +117,10 @@ def polyparallel_sync_states(session: pp.Session, states: Any) -> Any:
 
 
 @hookimpl
-def polyparallel_launch(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
-                        timeout: float | None) -> list[Any]:
+def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
+                        timeout: float | None) -> list[Any] | None:
+    if runtime != RUNTIME:
+        return None
     from .launch import launch_function
 
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout)

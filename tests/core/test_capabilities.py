@@ -57,7 +57,10 @@ def test_to_dict_is_json_ready():
     caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
     d = caps.to_dict()
     assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch",
-                 "excludes": []}
+                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": []}
+    runtime = Capabilities("rt", imports={"torch"}, backends={"nccl", "gloo"}, priority=3).to_dict()
+    assert (runtime["imports"], runtime["backends"], runtime["priority"]) == (["torch"], ["gloo", "nccl"], 3)
+    assert Capabilities("adapter", runtimes={"torch"}).to_dict()["runtimes"] == ["torch"]
     assert json.loads(json.dumps(d)) == d
 
 
@@ -77,3 +80,51 @@ def test_excluded_axis_combinations_are_refused_together_but_not_alone():
     assert caps.to_dict()["excludes"] == [["pipeline", "tensor"]]
     with pytest.raises(ValueError, match="unknown axes"):
         Capabilities("rt", excludes=({"tensor", "expert"},))
+
+
+# -- what a runtime declares: what it needs, its backends, its priority; what an adapter runs on ---------------
+
+
+def test_runtime_fields_default_to_nothing_needed_and_become_frozensets():
+    caps = Capabilities("rt", imports=["json"], backends=("gloo",), runtimes=["torch"])
+    assert (caps.imports, caps.backends, caps.runtimes, caps.priority) == (
+        frozenset({"json"}), frozenset({"gloo"}), frozenset({"torch"}), 0)
+    assert Capabilities("rt").imports == frozenset() and Capabilities("rt").missing_imports() == []
+
+
+def test_missing_imports_looks_modules_up_without_importing_them():
+    import sys
+
+    caps = Capabilities("rt", imports={"json", "polyparallel_no_such_module_xyz"})
+    assert caps.missing_imports() == ["polyparallel_no_such_module_xyz"]
+    assert "polyparallel_no_such_module_xyz" not in sys.modules
+
+
+def test_imported_means_one_of_its_modules_is_already_imported(monkeypatch):
+    import sys
+    import types
+
+    caps = Capabilities("rt", imports={"polyparallel_fake_framework_xyz"})
+    assert not caps.imported()
+    monkeypatch.setitem(sys.modules, "polyparallel_fake_framework_xyz", types.ModuleType("polyparallel_fake_framework_xyz"))
+    assert caps.imported() and caps.missing_imports() == []
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"imports": "torch"}, r"Capabilities\('rt', imports=\) must be a collection of strings, e\.g\. \{'x'\}\. "
+                           r"Received: 'torch'\."),
+    ({"backends": "gloo"}, r"Capabilities\('rt', backends=\) must be a collection of strings"),
+    ({"runtimes": [1]}, r"Capabilities\('rt', runtimes=\) must be a collection of strings.* Received: \[1\]"),
+    ({"axes": "data"}, r"Capabilities\('rt', axes=\) must be a collection of strings"),
+    ({"priority": "high"}, r"Capabilities\('rt', priority=\) must be an int\. Received: 'high'\."),
+    ({"priority": True}, r"Capabilities\('rt', priority=\) must be an int\. Received: True\."),
+])
+def test_invalid_runtime_fields(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Capabilities("rt", **kwargs)
+
+
+@pytest.mark.parametrize("target", ["", None, 3])
+def test_target_must_be_a_name(target):
+    with pytest.raises(ValueError, match=r"Capabilities\(target=\) must be a non-empty string\. Received: "):
+        Capabilities(target)

@@ -62,6 +62,29 @@ def test_an_invalid_plan_exits_non_zero_with_the_message(python, args, message):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--world", "4", "--tensor", "2", "--pipeline", "2", "--runtime", "torch"],
+     "'torch' (plugin 'torch') cannot combine pipeline=2 with tensor=2"),
+    (["--world", "4", "--pipeline", "2", "--runtime", "lightning"], "'lightning' (plugin 'lightning') cannot run pipeline=2"),
+    (["--world", "4", "--runtime", "tpu"], "No installed plugin provides the target 'tpu'"),
+    (["--world", "4", "--batch-size", "6"], "--batch-size 6: the global batch size 6 does not divide over data=4 ranks"),
+    (["--world", "4", "--batch-size", "6", "--runtime", "torch"], "the global batch size 6 does not divide over data=4"),
+    (["--world", "4", "--batch-size", "0"], "DataPolicy.batch_size must be a positive int or None. Received: 0."),
+])
+def test_plan_checks_a_runtime_and_a_batch_size(python, args, message):
+    result = run_cli(python, "plan", *args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_for_a_runtime_that_runs_it(python):
+    result = run_cli(python, "plan", "--world", "4", "--tensor", "2", "--runtime", "torch", "--batch-size", "8")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == "Topology(pipeline=1, data=2, tensor=2)  world size 4  (runs on 'torch')"
+    as_json = json.loads(run_cli(python, "plan", "--world", "4", "--runtime", "torch", "--json").stdout)
+    assert as_json == {**Topology(data=4).to_dict(), "runtime": "torch"}
+
+
 def test_plan_requires_the_world_size(python):
     result = run_cli(python, "plan", "--tensor", "2")
     assert result.returncode == 2 and "Missing option '--world'" in result.stderr
@@ -81,7 +104,8 @@ def test_plugins_json_lists_the_installed_records_plugin(python):
     assert records["hooks"] == ["polyparallel_register_adapters", "polyparallel_shard_data"]
     assert records["adapters"] == ["records"]
     assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records",
-                                        "excludes": []}]
+                                        "excludes": [], "imports": [], "backends": [], "priority": 0,
+                                        "runtimes": []}]
 
 
 def test_plugins_table(python):
@@ -107,6 +131,44 @@ def test_plugins_all_includes_the_core(python):
     listing = json.loads(run_cli(python, "plugins", "--json", "--all").stdout)
     assert listing[0]["name"] == "polyparallel.core"
     assert listing[0]["hooks"] == ["polyparallel_process_info"]
+
+
+def test_plugins_lists_the_runtimes_and_the_automatic_choice(python):
+    result = run_cli(python, "plugins")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("runtime ")))
+    assert lines[header].split() == ["runtime", "plugin", "installed", "imported", "backends", "priority"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 2:header + 4]}
+    assert rows["torch"] == ["torch", "torch", "yes", "no", "gloo,", "nccl", "10"]
+    assert rows["jax"] == ["jax", "jax", "yes", "no", "-", "0"]
+    assert "automatic choice here (Strategy(runtime=None)): torch" in lines
+    listing = {p["name"]: p for p in json.loads(run_cli(python, "plugins", "--json").stdout)}
+    (torch_caps,) = listing["torch"]["capabilities"]
+    assert (torch_caps["imports"], torch_caps["backends"], torch_caps["missing_imports"]) == (
+        ["torch"], ["gloo", "nccl"], [])
+    assert listing["torch"]["error"] is None
+
+
+def test_plugins_shows_a_plugin_that_failed_to_load(python, tmp_path):
+    (tmp_path / "exploding_plugin_xyz.py").write_text("raise ImportError('a dependency is missing')\n")
+    result = run_cli(python, "plugins", POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD="1", POLYPARALLEL_PLUGINS="exploding_plugin_xyz",
+                     PYTHONPATH=f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    assert result.returncode == 0, result.stderr
+    assert "failed to load: exploding_plugin_xyz (exploding_plugin_xyz from - ): ImportError: a dependency is " \
+           "missing" in result.stdout.replace("  ", " ")
+    listing = json.loads(run_cli(python, "plugins", "--json", POLYPARALLEL_DISABLE_PLUGIN_AUTOLOAD="1",
+                                 POLYPARALLEL_PLUGINS="exploding_plugin_xyz",
+                                 PYTHONPATH=f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}").stdout)
+    assert listing == [{"name": "exploding_plugin_xyz", "module": "exploding_plugin_xyz", "distribution": None,
+                        "version": None, "hooks": [], "adapters": [], "capabilities": [],
+                        "error": "ImportError: a dependency is missing"}]
+
+
+def test_plugins_refuses_an_unknown_hook(python):
+    result = run_cli(python, "plugins", "--hook", "shard_dat")
+    assert result.returncode == 1
+    assert "Error: --hook 'shard_dat' is not a polyparallel hook. Hooks: capabilities, launch" in result.stderr
 
 
 def test_plugins_with_autoload_disabled(python):

@@ -6,6 +6,8 @@ the runtime plugins' tests' business.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 import polyparallel as pp
@@ -23,9 +25,13 @@ class SerialLauncher:
         self.calls: list[dict] = []
 
     @pp.hookimpl
-    def polyparallel_launch(self, fn, strategy, nprocs, args, kwargs, timeout):
-        self.calls.append({"strategy": strategy, "nprocs": nprocs, "args": args, "kwargs": kwargs,
-                           "timeout": timeout})
+    def polyparallel_launch(self, fn, strategy, runtime, nprocs, args, kwargs, timeout):
+        if runtime != "serial":
+            return None
+        self.calls.append({"strategy": strategy, "runtime": runtime, "nprocs": nprocs, "args": args,
+                           "kwargs": kwargs, "timeout": timeout})
+        # What the processes would get: the pickled strategy, carrying the parent's runtime choice.
+        self.calls[-1]["pickled"] = pickle.loads(pickle.dumps(strategy))
         return tuple(fn(*args, **kwargs) for _ in range(nprocs))  # any sequence: launch() lists it
 
 
@@ -47,7 +53,10 @@ def test_results_are_returned_per_rank(manager, launcher):
     s = Strategy(plugin_manager=manager)
     assert pp.launch(square_plus, s, nprocs=3, args=[4], kwargs={"offset": 1}) == [17, 17, 17]
     (call,) = launcher.calls
-    assert call == {"strategy": s, "nprocs": 3, "args": (4,), "kwargs": {"offset": 1}, "timeout": None}
+    pickled = call.pop("pickled")
+    assert call == {"strategy": s, "runtime": "serial", "nprocs": 3, "args": (4,), "kwargs": {"offset": 1},
+                    "timeout": None}
+    assert pickled == s and pickled._runtime_hint == "serial"
 
 
 def test_timeout_is_handed_to_the_runtime(manager, launcher):
@@ -61,6 +70,7 @@ def test_a_runtime_may_take_a_subset_of_the_arguments(manager):
         def polyparallel_launch(self, fn, nprocs):
             return [fn(rank) for rank in range(nprocs)]
 
+    manager.register(Runtime(), name="serial-runtime")
     manager.register(Minimal(), name="minimal")
     assert pp.launch(square_plus, Strategy(plugin_manager=manager), nprocs=3) == [0, 1, 4]
 
@@ -83,7 +93,8 @@ def test_invalid_nprocs(manager, launcher, nprocs):
 
 
 def test_fn_must_be_callable(manager, launcher):
-    with pytest.raises(TypeError, match=r"launch\(\) needs a callable\. Received: str\."):
+    with pytest.raises(TypeError, match=r"launch\(fn=\) must be a callable \(a module-level function\)\. Received: "
+                                        r"str 'train\.py'\. For a script, use `polyparallel launch script\.py`"):
         pp.launch("train.py", Strategy(plugin_manager=manager), 2)
 
 
@@ -104,10 +115,63 @@ def test_runtime_capabilities_are_checked_before_any_process_starts(manager, lau
     assert pp.launch(square_plus, Strategy(plugin_manager=manager), 2, (2,), runtime="serial") == [4, 4]
 
 
-def test_no_runtime_can_launch(manager):
-    with pytest.raises(pp.NoPluginError, match=r"No installed plugin can launch processes \(none implements "
-                                               r"polyparallel_launch\)\. Install a runtime: pip install"):
+def test_no_runtime_installed_is_refused_with_the_install_hint(manager):
+    with pytest.raises(pp.NoPluginError, match=r"launch\(\) needs a runtime, but no runtime is installed\. "
+                                               r"Install one: pip install 'polyparallel\[torch\]'"):
         pp.launch(square_plus, Strategy(plugin_manager=manager), 2)
+
+
+def test_a_runtime_that_cannot_launch(manager):
+    manager.register(Runtime(), name="serial-runtime")
+    with pytest.raises(pp.NoPluginError, match=r"The runtime 'serial' \(plugin 'serial-runtime'\) cannot launch "
+                                               r"processes: no plugin implements polyparallel_launch for it\."):
+        pp.launch(square_plus, Strategy(plugin_manager=manager), 2)
+
+
+def test_capabilities_are_checked_without_runtime_argument(manager, launcher):
+    # The runtime is resolved in the parent and its capabilities always checked (serial: data only).
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'serial' \(plugin 'serial-runtime'\) cannot run tensor=2"):
+        pp.launch(square_plus, Strategy(tensor=2, plugin_manager=manager), nprocs=4)
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'serial' .*cannot run pipeline=2"):
+        pp.launch(square_plus, Strategy(data=-1, pipeline=2, plugin_manager=manager), nprocs=4)
+    assert launcher.calls == []
+
+
+def test_the_batch_size_is_checked_against_the_launched_data_axis(manager, launcher):
+    with pytest.raises(pp.TopologyError, match=r"launch\(Strategy\(pipeline=1, data=-1, tensor=1, timeout=60, seed=0\), "
+                                               r"nprocs=3\): the global batch size 8 does not divide over data=3 ranks"):
+        pp.launch(square_plus, Strategy(batch_size=8, plugin_manager=manager), nprocs=3)
+    assert launcher.calls == []
+    assert pp.launch(square_plus, Strategy(batch_size=8, plugin_manager=manager), 4, (1,)) == [1] * 4
+
+
+def test_the_runtime_is_resolved_in_the_parent_and_travels_with_the_strategy(manager, launcher):
+    class Other:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return pp.Capabilities("other", axes={"data"}, priority=-1)
+
+    manager.register(Other(), name="other-runtime")
+    s = Strategy(plugin_manager=manager)
+    assert pp.launch(square_plus, s, 2, (2,)) == [4, 4]  # serial: the higher priority
+    assert launcher.calls[-1]["runtime"] == "serial" and launcher.calls[-1]["pickled"]._runtime_hint == "serial"
+    # A runtime named by launch(runtime=) pins the strategy the processes get.
+    with pytest.raises(pp.NoPluginError, match=r"The runtime 'other' \(plugin 'other-runtime'\) cannot launch"):
+        pp.launch(square_plus, s, 2, runtime="other")
+
+
+def test_launch_refuses_a_strategy_whose_runtime_is_not_the_one_asked(manager, launcher):
+    class Other:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return pp.Capabilities("other", axes={"data"})
+
+    manager.register(Other(), name="other-runtime")
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"launch\(runtime='serial'\)|Strategy.check\('serial'\) "
+                                                          r"runs on the 'serial' runtime, but this strategy's runtime "
+                                                          r"is 'other'"):
+        pp.launch(square_plus, Strategy(runtime="other", plugin_manager=manager), 2, runtime="serial")
+    assert launcher.calls == []
 
 
 def test_a_failing_rank_is_reported_as_launch_error(manager):
@@ -116,6 +180,7 @@ def test_a_failing_rank_is_reported_as_launch_error(manager):
         def polyparallel_launch(self, nprocs):
             raise pp.LaunchError("rank 1 failed: ZeroDivisionError", rank=1, traceback="Traceback ...")
 
+    manager.register(Runtime(), name="serial-runtime")
     manager.register(FailingLauncher(), name="failing")
     with pytest.raises(pp.LaunchError, match="rank 1 failed") as info:
         pp.launch(square_plus, Strategy(plugin_manager=manager), 2)

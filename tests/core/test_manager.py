@@ -6,6 +6,7 @@ Installed distributions are faked by monkeypatching ``importlib.metadata.distrib
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -381,7 +382,10 @@ def test_nobody_answered_lists_plugins_and_the_extra(manager, monkeypatch):
 
 
 def test_nobody_answered_with_no_plugin(manager):
-    with pytest.raises(pp.NoPluginError, match=r"for an object of type builtins\.list\. Installed plugins: none\."):
+    with pytest.raises(pp.NoPluginError, match=r"for an object of type builtins\.list holding values of type builtins\.int\. "
+                                               r"Installed plugins: "
+                                               r"none\. No runtime is installed\. Install one: pip install "
+                                               r"'polyparallel\[torch\]'\."):
         strategy(manager).shard_data([1, 2, 3])
 
 
@@ -566,3 +570,167 @@ def test_default_manager_is_one_per_process_and_lazy(fake_install):
     assert pp.get_plugin_manager() is pm
     assert fake_install.scans == 0
     assert "alpha" in names(pm)
+
+
+# -- registry hooks go through pluggy: wrappers see them -----------------------------------------------------------
+
+
+def test_hook_wrappers_around_registry_hooks_see_each_plugins_call(manager):
+    seen: list[tuple[str, object]] = []
+
+    class Tracer:
+        @pp.hookimpl(wrapper=True)
+        def polyparallel_capabilities(self):
+            result = yield
+            seen.append(("capabilities", result))
+            return result
+
+        @pp.hookimpl(hookwrapper=True)  # the old-style wrapper too
+        def polyparallel_register_adapters(self, register):
+            seen.append(("adapters", register))
+            yield
+
+    class OneRuntime:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return pp.Capabilities("rt-a", axes={"data", "tensor"})
+
+    class OtherRuntime:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return [pp.Capabilities("rt-b")]
+
+    manager.register(Tracer(), name="tracer")
+    manager.register(OneRuntime(), name="one")
+    manager.register(OtherRuntime(), name="other")
+    manager.register(Adapters("lightning"), name="frameworks")
+    caps = manager.capabilities()
+    # Each declaration is still attributed to the plugin that made it, and the wrapper ran per plugin.
+    assert (caps["rt-a"].plugin, caps["rt-b"].plugin, caps["lightning"].plugin) == ("one", "other", "frameworks")
+    assert sorted(str(r) for kind, r in seen if kind == "capabilities") == sorted(
+        [str([pp.Capabilities("rt-a", axes={"data", "tensor"})]), str([[pp.Capabilities("rt-b")]])])
+    assert [kind for kind, _ in seen].count("adapters") == 1  # one adapter-registering plugin: one call
+    assert manager.adapters()["lightning"].plugin == "frameworks"
+
+
+def test_a_wrapper_can_change_what_a_registry_hook_returns(manager):
+    class Narrow:
+        @pp.hookimpl(wrapper=True)
+        def polyparallel_capabilities(self):
+            result = yield
+            return [dataclasses.replace(c, axes=frozenset({"data"})) for c in result]
+
+    class Wide:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return pp.Capabilities("wide", axes={"data", "tensor", "pipeline"})
+
+    manager.register(Wide(), name="wide")
+    manager.register(Narrow(), name="narrow")
+    assert manager.runtimes()["wide"].axes == {"data"} and manager.runtimes()["wide"].plugin == "wide"
+
+
+# -- plugins are validated: a misspelled hook is an error ------------------------------------------------------------
+
+
+class Misspelled:
+    @pp.hookimpl
+    def polyparallel_shard_dat(self, data):
+        return "never called"
+
+
+def test_a_misspelled_hook_is_refused_naming_the_plugin_and_the_hook(manager):
+    with pytest.raises(pluggy.PluginValidationError, match=(
+            r"plugin 'typo' implements polyparallel_shard_dat \(did you mean polyparallel_shard_data\?\), which is "
+            r"not a polyparallel hook\. Rename it to one of the hooks in polyparallel/hookspecs\.py")):
+        manager.register(Misspelled(), name="typo")
+    assert "typo" not in names(manager) and not manager._pm.has_plugin("typo")  # nothing half-registered
+
+
+def test_a_hook_of_another_project_may_be_marked_optional(manager):
+    class Optional:
+        @pp.hookimpl(optionalhook=True)
+        def polyparallel_future_hook(self):
+            return None
+
+    assert manager.register(Optional(), name="optional") == "optional"
+
+
+def test_an_entry_point_with_a_misspelled_hook_is_a_broken_plugin(fake_install):
+    fake_install.add("typo", Misspelled(), dist="polyparallel-typo", version="0.2")
+    fake_install.add("alpha", Owner("alpha"))
+    pm = pp.PluginManager()
+    with pytest.warns(RuntimeWarning, match=r"skipping plugin 'typo' .*PluginValidationError: plugin 'typo' "
+                                            r"implements polyparallel_shard_dat"):
+        assert names(pm) == ["polyparallel.core", "alpha"]
+    (broken,) = pm.broken()
+    assert (broken.name, broken.dist, broken.version) == ("typo", "polyparallel-typo", "0.2")
+    assert "polyparallel_shard_dat" in broken.error
+
+
+# -- a broken installed plugin: its error reaches the user where they use it -----------------------------------------
+
+
+@pytest.fixture
+def broken_lightning(fake_install):
+    """polyparallel's own lightning entry point, installed, whose import fails."""
+    fake_install.add("lightning", ImportError("cannot import name 'LightningModule' from 'lightning'"),
+                     dist="polyparallel", version="0.1.0")
+    fake_install.add("alpha", Owner("alpha"))
+    pm = pp.PluginManager()
+    with pytest.warns(RuntimeWarning, match="skipping plugin 'lightning'"):
+        pm.load()
+    return pm
+
+
+def test_broken_plugins_are_remembered(broken_lightning):
+    (broken,) = broken_lightning.broken()
+    assert (broken.name, broken.value, broken.dist, broken.version) == (
+        "lightning", "fake_lightning_module", "polyparallel", "0.1.0")
+    assert broken.error == "ImportError: cannot import name 'LightningModule' from 'lightning'"
+
+
+def test_adapt_names_the_broken_plugin_instead_of_an_install_hint(broken_lightning):
+    with pytest.raises(pp.NoPluginError) as info:
+        strategy(broken_lightning).adapt("lightning")
+    message = str(info.value)
+    assert message == (
+        "No adapter named 'lightning' is registered. Registered adapters: none. The installed plugin 'lightning' "
+        "(fake_lightning_module from polyparallel 0.1.0) failed to load: ImportError: cannot import name "
+        "'LightningModule' from 'lightning'; fix that error (the plugin is installed, so installing it again will "
+        "not help).")
+    assert "pip install" not in message
+
+
+def test_other_messages_mention_broken_plugins_that_may_be_the_one_wanted(broken_lightning):
+    with pytest.raises(pp.NoPluginError, match=r"Install its extra: pip install 'polyparallel\[keras\]'\. Plugins that "
+                                               r"failed to load \(one may be the one you need\): the installed plugin "
+                                               r"'lightning' .* ImportError"):
+        strategy(broken_lightning).adapt("keras")
+    with pytest.raises(pp.NoPluginError, match=r"Plugins that failed to load .*'lightning'"):
+        strategy(broken_lightning).shard_data(object())
+
+
+def test_dispatch_and_runtime_choice_name_a_broken_runtime_plugin(fake_install):
+    fake_install.add("torch", ImportError("libtorch_cpu.so: cannot open shared object file"), dist="polyparallel",
+                     version="0.1.0")
+    pm = pp.PluginManager()
+    with pytest.warns(RuntimeWarning):
+        pm.load()
+    tensor_type = type("Tensor", (), {"__module__": "torch"})
+    with pytest.raises(pp.NoPluginError) as info:
+        strategy(pm).shard_data(tensor_type())
+    assert "The installed plugin 'torch' (fake_torch_module from polyparallel 0.1.0) failed to load: ImportError: " \
+           "libtorch_cpu.so" in str(info.value) and "pip install" not in str(info.value)
+    with pytest.raises(pp.NoPluginError, match=r"Strategy\(runtime='torch'\) names the runtime 'torch', but: The "
+                                               r"installed plugin 'torch' .* failed to load: ImportError"):
+        pp.Strategy(runtime="torch", plugin_manager=pm).session()
+    with pytest.raises(pp.NoPluginError, match=r"launch\(\) needs a runtime, but no runtime is installed\. The installed "
+                                               r"plugin 'torch' .*failed to load"):
+        pp.launch(print, pp.Strategy(plugin_manager=pm), 2)
+
+
+def test_registering_a_fixed_plugin_forgets_its_failure(broken_lightning):
+    broken_lightning.register(Adapters("lightning"), name="lightning")
+    assert broken_lightning.broken() == []
+    assert strategy(broken_lightning).adapt("lightning") == ("built", {})

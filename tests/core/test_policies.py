@@ -129,7 +129,8 @@ def test_state_policy_without_default_rules():
     ({"rules": {"bn.*": "average"}},
      r"StatePolicy action for 'bn\.\*' must be one of 'mean', 'broadcast', 'local'\. Received: 'average'\."),
     ({"rules": [("*", "sync")]}, r"StatePolicy action for '\*' must be one of .* Received: 'sync'\."),
-    ({"rules": {3: "mean"}}, r"StatePolicy patterns must be strings\. Received: 3\."),
+    ({"rules": {3: "mean"}}, r"StatePolicy\(rules=\) must be a mapping of name pattern \(str\) -> action, e\.g\. "
+                             r"\{'encoder\.\*': 'local'\}, or a list of such pairs\. Received: \{3: 'mean'\}\."),
     ({"default": "sum"}, r"StatePolicy\.default must be one of 'mean', 'broadcast', 'local'\. Received: 'sum'\."),
 ])
 def test_state_policy_invalid(kwargs, message):

@@ -53,14 +53,16 @@ class BoxPlugin:
 
 
 class TargetsPlugin:
-    """Declares a runtime and registers two adapters whose factories record their calls."""
+    """Declares two runtimes and registers adapters whose factories record their calls."""
 
     def __init__(self) -> None:
         self.built: list[tuple[str, Strategy, dict[str, Any]]] = []
 
     @pp.hookimpl
     def polyparallel_capabilities(self):
-        return pp.Capabilities("fakeruntime", axes={"data", "tensor"}, features={"no_sync"})
+        return [pp.Capabilities("fakeruntime", axes={"data", "tensor"}, features={"no_sync"}, backends={"ring"},
+                                priority=1),
+                pp.Capabilities("otherruntime", axes={"data"}, priority=0)]
 
     @pp.hookimpl
     def polyparallel_register_adapters(self, register):
@@ -71,6 +73,7 @@ class TargetsPlugin:
             return build
         register("dataonly", factory("dataonly"), capabilities=pp.Capabilities("dataonly", axes={"data"}))
         register("everything", factory("everything"), capabilities=pp.Capabilities("everything", axes=set(AXES)))
+        register("onother", factory("onother"), capabilities=pp.Capabilities("onother", runtimes={"otherruntime"}))
 
 
 @pytest.fixture
@@ -108,7 +111,7 @@ def test_positional_sizes_are_data_tensor_pipeline():
 
 def test_defaults():
     s = Strategy()
-    assert (s.timeout, s.seed, s.backend) == (60.0, 0, None)
+    assert (s.timeout, s.seed, s.backend, s.runtime) == (60.0, 0, None, None)
     assert (s.data_policy, s.grad_policy, s.metric_policy, s.state_policy) == (
         DataPolicy(), GradPolicy(), MetricPolicy(), StatePolicy())
 
@@ -139,7 +142,18 @@ def test_timeout_is_a_float():
     ({"seed": 1.5}, pp.TopologyError, r"Strategy\(seed=\) must be an int\. Received: 1\.5\."),
     ({"seed": True}, pp.TopologyError, r"Strategy\(seed=\) must be an int\. Received: True\."),
     ({"seed": "0"}, pp.TopologyError, r"Strategy\(seed=\) must be an int\. Received: '0'\."),
-    ({"backend": 3}, pp.TopologyError, r"Strategy\(backend=\) must be a string or None\. Received: 3\."),
+    ({"backend": 3}, pp.TopologyError, r"Strategy\(backend=\) must be a name \(a non-empty string\) or None\. "
+                                       r"Received: 3\."),
+    ({"backend": ""}, pp.TopologyError, r"Strategy\(backend=\) must be a name .* Received: ''\."),
+    ({"backend": "jax"}, pp.TopologyError, r"Strategy\(backend='jax'\) is not a communication backend: JAX is a "
+                                           r"runtime\. Use Strategy\(runtime='jax'\) and leave backend=None\."),
+    ({"runtime": 1}, pp.TopologyError, r"Strategy\(runtime=\) must be a name .* Received: 1\."),
+    ({"runtime": "to rch"}, pp.TopologyError, r"Strategy\(runtime=\) must be a name .* Received: 'to rch'\."),
+    ({"plugin_manager": "default"}, pp.TopologyError,
+     r"Strategy\(plugin_manager=\) must be a polyparallel\.PluginManager or None\. Received: str\."),
+    ({"data": 4, "batch_size": 10}, pp.TopologyError,
+     r"Strategy: the global batch size 10 does not divide over data=4 ranks .* Use a multiple of 4 \(8 or 12\)"),
+    ({"data_policy": "shuffle", "batch_size": 8}, pp.TopologyError, r"Strategy\(data_policy=\) must be a DataPolicy\."),
     ({"data": 2, "topology": Topology(data=2)}, pp.TopologyError,
      r"Strategy takes axis sizes or topology=, not both\. Received \{'data': 2\} and Topology\("),
     ({"topology": {"data": 2}}, pp.TopologyError, r"Strategy\(topology=\) must be a Topology\. Received: dict\."),
@@ -163,7 +177,7 @@ def test_invalid_strategy(kwargs, error, message):
 
 
 def full_strategy(**extra: Any) -> Strategy:
-    return Strategy(data=2, tensor=2, pipeline=2, timeout=12.5, seed=7, backend="gloo",
+    return Strategy(data=2, tensor=2, pipeline=2, timeout=12.5, seed=7, backend="gloo", runtime="torch",
                     data_policy=DataPolicy(batch_size=64, shuffle=False, remainder="uneven"),
                     grad_policy=GradPolicy(op="sum", bucket_mb=4.0),
                     metric_policy=MetricPolicy("sum", {"acc": "mean"}),
@@ -185,7 +199,7 @@ def test_pickle_round_trip_leaves_the_plugin_manager_behind(make, manager):
     strategy = make(plugin_manager=manager)
     clone = pickle.loads(pickle.dumps(strategy))
     assert clone == strategy and hash(clone) == hash(strategy) and repr(clone) == repr(strategy)
-    for field in ("topology", "timeout", "seed", "backend", "data_policy", "grad_policy", "metric_policy",
+    for field in ("topology", "timeout", "seed", "backend", "runtime", "data_policy", "grad_policy", "metric_policy",
                   "state_policy"):
         assert getattr(clone, field) == getattr(strategy, field)
     assert clone.plugin_manager is pp.get_plugin_manager()  # each process has its own
@@ -231,6 +245,24 @@ def test_replace_validates():
 
 def test_repr():
     assert repr(Strategy(tensor=2, timeout=30, seed=3)) == "Strategy(pipeline=1, data=-1, tensor=2, timeout=30, seed=3)"
+    assert repr(Strategy(data=2, runtime="torch", backend="gloo")) == (
+        "Strategy(pipeline=1, data=2, tensor=1, timeout=60, seed=0, runtime='torch', backend='gloo')")
+
+
+def test_runtime_and_backend_are_separate_parts_of_the_value():
+    s = Strategy(data=2, runtime="jax")
+    assert (s.runtime, s.backend) == ("jax", None)
+    assert s != Strategy(data=2) and s == Strategy(data=2, runtime="jax") and hash(s) == hash(s.replace())
+    assert s.replace(runtime=None) == Strategy(data=2)
+    assert Strategy(backend="nccl").runtime is None  # a backend never names the runtime
+
+
+def test_replace_batch_size_is_checked_against_the_data_axis():
+    s = Strategy(data=4, batch_size=8, data_policy=DataPolicy(shuffle=False))
+    assert s.replace(batch_size=16).data_policy == DataPolicy(batch_size=16, shuffle=False)
+    with pytest.raises(pp.TopologyError, match="the global batch size 8 does not divide over data=3 ranks"):
+        s.replace(data=3)
+    assert Strategy(data=-1, batch_size=10).data_policy.batch_size == 10  # checked once the world is known
 
 
 # -- check and adapt: refuse before anything starts ------------------------------------------------------
@@ -266,9 +298,31 @@ def test_check_with_a_world_size_that_does_not_fit(manager, targets):
 
 def test_check_of_an_unknown_target(manager, targets):
     with pytest.raises(pp.NoPluginError, match=r"No installed plugin provides the target 'jax'\. Known targets: "
-                                               r"dataonly, everything, fakeruntime\. Install its extra: "
-                                               r"pip install 'polyparallel\[jax\]'\."):
+                                               r"dataonly, everything, fakeruntime, onother, otherruntime\. Install "
+                                               r"its extra: pip install 'polyparallel\[jax\]'\."):
         Strategy(plugin_manager=manager).check("jax")
+
+
+def test_check_without_a_target_uses_the_chosen_runtime(manager, targets):
+    Strategy(data=2, tensor=2, plugin_manager=manager).check()  # fakeruntime: the higher priority
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'otherruntime' \(plugin 'targets'\) cannot run tensor=2"):
+        Strategy(data=2, tensor=2, runtime="otherruntime", plugin_manager=manager).check()
+    with pytest.raises(pp.TopologyError, match="the global batch size 6 does not divide over data=4 ranks"):
+        Strategy(data=-1, batch_size=6, plugin_manager=manager).check(world_size=4)
+    with pytest.raises(pp.NoPluginError, match=r"This strategy needs a runtime, but no runtime is installed\. Install one: "
+                                               r"pip install 'polyparallel\[torch\]'"):
+        Strategy(plugin_manager=pp.PluginManager(autoload=False)).check()
+
+
+def test_check_a_runtime_target_checks_the_backend_and_the_strategy_runtime(manager, targets):
+    Strategy(backend="ring", plugin_manager=manager).check("fakeruntime")
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(backend='ring'\) is not a backend of the runtime "
+                                               r"'otherruntime' \(plugin 'targets'\): it has no backend to choose"):
+        Strategy(backend="ring", plugin_manager=manager).check("otherruntime")
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"Strategy.check\('otherruntime'\) runs on the "
+                                                          r"'otherruntime' runtime, but this strategy's runtime is "
+                                                          r"'fakeruntime' \(Strategy\(runtime='fakeruntime'\)\)"):
+        Strategy(runtime="fakeruntime", plugin_manager=manager).check("otherruntime")
 
 
 def test_adapt_builds_the_adapter_with_keyword_arguments(manager, targets):
@@ -286,13 +340,34 @@ def test_adapt_refuses_an_unsupported_topology_before_building(manager, targets)
 
 def test_adapt_with_an_unknown_name(manager, targets):
     with pytest.raises(pp.NoPluginError, match=r"No adapter named 'keras' is registered\. Registered adapters: "
-                                               r"dataonly, everything\. Install its extra: pip install 'polyparallel\[keras\]'"):
+                                               r"dataonly, everything, onother\. Install its extra: "
+                                               r"pip install 'polyparallel\[keras\]'"):
         Strategy(plugin_manager=manager).adapt("keras")
 
 
 def test_adapt_with_no_adapter_at_all(manager):
     with pytest.raises(pp.NoPluginError, match="Registered adapters: none"):
         Strategy(plugin_manager=manager).adapt("lightning")
+
+
+def test_adapt_refuses_a_strategy_whose_runtime_the_adapter_does_not_run_on(manager, targets):
+    with pytest.raises(pp.UnsupportedTopologyError, match=(
+            r"The adapter 'onother' \(plugin 'targets'\) runs on the 'otherruntime' runtime, but this strategy's "
+            r"runtime is 'fakeruntime' \(Strategy\(runtime='fakeruntime'\)\)\. Use Strategy\(runtime='otherruntime'\), "
+            r"or runtime=None to choose automatically\.")):
+        Strategy(runtime="fakeruntime", plugin_manager=manager).adapt("onother")
+    assert targets.built == []
+
+
+def test_adapt_narrows_the_automatic_runtime_to_the_adapters(manager, targets):
+    s = Strategy(data=2, plugin_manager=manager)
+    assert s.resolve_runtime() == "fakeruntime"  # the higher priority
+    built = s.adapt("onother")
+    assert built.strategy == s.replace(runtime="otherruntime")  # pinned: the factory's strategy runs there
+    assert built.strategy.plugin_manager is manager
+    assert s.adapt("dataonly").strategy is s  # an adapter for any runtime gets the strategy as it is
+    explicit = s.replace(runtime="otherruntime")
+    assert explicit.adapt("onother").strategy is explicit
 
 
 # -- the five operations dispatch -----------------------------------------------------------------------

@@ -41,7 +41,7 @@ def plugin_manager() -> pp.PluginManager:
 def jax_strategy(plugin_manager: pp.PluginManager):
     """``jax_strategy(data=8)`` -> a JAX strategy on the test plugin manager."""
     def make(**kwargs):
-        return pp.Strategy(**kwargs, backend="jax", plugin_manager=plugin_manager)
+        return pp.Strategy(**kwargs, runtime="jax", plugin_manager=plugin_manager)
     return make
 
 

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
 def jax_strategy(**sizes: int) -> pp.Strategy:
-    return pp.Strategy(**sizes, backend="jax", timeout=20, plugin_manager=plugin_manager())
+    return pp.Strategy(**sizes, runtime="jax", timeout=20, plugin_manager=plugin_manager())
 
 
 class _JaxSuite(ConformanceSuite):

@@ -138,7 +138,9 @@ def test_tuple_and_dict_structure_is_kept(jax_strategy):
 
 
 def test_batch_size_not_divisible_by_the_data_axis(jax_strategy):
-    with pytest.raises(DataError, match=r"batch_size=30 with data=8; use a multiple of 8 \(e\.g\. 24\)"):
+    # Refused by the core when the Strategy is built, before any data or device is touched.
+    with pytest.raises(pp.TopologyError, match=r"global batch size 30 does not divide over data=8 ranks .*Use a "
+                                               r"multiple of 8 \(24 or 32\)"):
         jax_strategy(data=8, batch_size=30).shard_data(_x(64))
     assert issubclass(DataError, ValueError) and issubclass(DataError, pp.PolyparallelError)
 

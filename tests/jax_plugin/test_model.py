@@ -140,7 +140,7 @@ def test_axis_size_that_does_not_fit_the_devices(plugin_manager):
 
 def test_batch_size_not_divisible_by_data_axis(jax_strategy):
     x, y = dataset(64)
-    with pytest.raises(ValueError, match=r"batch_size=30 with data=8; use a multiple of 8"):
+    with pytest.raises(ValueError, match=r"global batch size 30 does not divide over data=8 ranks .*Use a multiple of 8"):
         Model(small_mlp()).fit(x, y, batch_size=30, strategy=jax_strategy(data=8), verbose=0)
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import polyparallel_jax.plugin
 import pytest
 
 import polyparallel as pp
@@ -26,9 +27,42 @@ def test_capabilities_and_adapters(plugin_manager):
 def test_not_owned_objects_fall_through(jax_strategy):
     strategy = jax_strategy(data=8)
     with pytest.raises(pp.NoPluginError):
-        strategy.reduce_metrics({"loss": 1.0})  # plain numbers are left to other runtimes
-    with pytest.raises(pp.NoPluginError):
         strategy.shard_data(object())
+    with pytest.raises(pp.NoPluginError):
+        strategy.sync_grads([1.0, 2.0])
+
+
+def test_plain_metrics_of_a_jax_strategy_reduce_on_jax():
+    # Measured before: with torch and JAX installed, a JAX strategy's plain numbers went to the
+    # torch runtime, which failed on MASTER_ADDR. Now the strategy's runtime decides.
+    import polyparallel_torch.plugin
+
+    pm = pp.PluginManager(autoload=False)
+    pm.register(polyparallel_torch.plugin, name="torch")
+    pm.register(polyparallel_jax.plugin, name="jax")
+    strategy = pp.Strategy(data=8, runtime="jax", plugin_manager=pm)
+    assert strategy.session().runtime == "jax" and strategy.world_size == 8  # devices, not processes
+    assert strategy.reduce_metrics({"loss": 1.0, "acc": pp.Mean(6.0, 3)}) == {"loss": 1.0, "acc": 2.0}
+
+
+def test_the_jax_hooks_answer_only_on_the_jax_runtime():
+    import jax.numpy as jnp
+    import polyparallel_torch.plugin
+
+    pm = pp.PluginManager(autoload=False)
+    pm.register(polyparallel_jax.plugin, name="jax")
+    pm.register(polyparallel_torch.plugin, name="torch")
+    on_torch = pp.Strategy(data=1, runtime="torch", plugin_manager=pm)
+    assert on_torch.session().world_size == 1  # process_info: JAX did not count its devices
+    wrong_runtime = r"on the 'torch' runtime.*jax(lib)? objects belong to the 'jax' runtime, but this strategy runs on " \
+                    r"'torch': use Strategy\(runtime='jax'\)"
+    with pytest.raises(pp.NoPluginError, match=r"for an object of type numpy\.ndarray on the 'torch' runtime"):
+        on_torch.shard_data(np.arange(8.0))
+    for operation in ("sync_grads", "sync_states"):
+        with pytest.raises(pp.NoPluginError, match=wrong_runtime):
+            getattr(on_torch, operation)(jnp.ones(3))
+    with pytest.raises(pp.NoPluginError, match=r"metrics with values of type jax.*" + wrong_runtime):
+        on_torch.reduce_metrics({"loss": jnp.asarray(1.0)})
 
 
 def test_outside_shard_map_grads_and_states_are_global_values(jax_strategy):
@@ -50,29 +84,28 @@ def test_discovered_through_polyparallel_plugins_env(monkeypatch):
 
 
 @pytest.mark.parametrize("torch_first", [True, False], ids=["torch-registered-first", "jax-registered-first"])
-def test_jax_launch_hook_runs_before_the_torch_launcher(monkeypatch, torch_first):
-    # The torch plugin's launch accepts every strategy, so a JAX strategy reaches the JAX
-    # launcher only if its hook is called first, whatever the registration order.
+def test_each_launcher_answers_only_for_its_runtime(monkeypatch, torch_first):
+    # Whatever the registration (and so call) order, the strategy's runtime picks the launcher.
     import types
 
     import polyparallel_jax.launch
-    import polyparallel_jax.plugin
     import polyparallel_torch.plugin
 
     pm = pp.PluginManager(autoload=False)
     plugins = [(polyparallel_torch.plugin, "torch"), (polyparallel_jax.plugin, "jax")]
     for module, name in plugins if torch_first else plugins[::-1]:
         pm.register(module, name=name)
-    impls = pm.hook.polyparallel_launch.get_hookimpls()
-    assert impls[-1].plugin is polyparallel_jax.plugin  # pluggy calls the last one first
     calls = []
-
-    def torch_launch(*args, **kwargs):
-        raise AssertionError("the torch launcher was called for a JAX strategy")
-
-    monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(launch_function=torch_launch))
+    monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(
+        launch_function=lambda fn, strategy, nprocs, *rest: calls.append(("torch", nprocs)) or ["torch"] * nprocs))
     monkeypatch.setattr(polyparallel_jax.launch, "launch_processes",
-                        lambda fn, nprocs, **kwargs: calls.append((fn, nprocs)) or ["jax"] * nprocs)
-    strategy = pp.Strategy(data=2, backend="jax", plugin_manager=pm)
-    assert pp.launch(print, strategy, nprocs=2) == ["jax", "jax"]
-    assert calls == [(print, 2)]
+                        lambda fn, nprocs, **kwargs: calls.append(("jax", nprocs)) or ["jax"] * nprocs)
+    assert pp.launch(print, pp.Strategy(data=2, runtime="jax", plugin_manager=pm), nprocs=2) == ["jax", "jax"]
+    assert pp.launch(print, pp.Strategy(data=2, runtime="torch", plugin_manager=pm), nprocs=2) == ["torch", "torch"]
+    # The automatic choice: the only runtime whose framework is imported; with both, torch (priority).
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert pp.launch(print, pp.Strategy(data=2, plugin_manager=pm), nprocs=2) == ["jax", "jax"]
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    pm.register(types.SimpleNamespace(), name="any-change")  # a change of plugins: chosen again
+    assert pp.launch(print, pp.Strategy(data=2, plugin_manager=pm), nprocs=2) == ["torch", "torch"]
+    assert calls == [("jax", 2), ("torch", 2), ("jax", 2), ("torch", 2)]

@@ -65,16 +65,18 @@ def test_process_info_counts_devices():
     assert (info.rank, info.world_size, info.local_rank) == (0, 8, 0)
 
 
-def test_jax_strategy_marking(monkeypatch, plugin_manager):
-    monkeypatch.delenv(rt.ENV_RUNTIME, raising=False)
+def test_jax_strategy_marking(plugin_manager):
     plain = pp.Strategy(data=8, plugin_manager=plugin_manager)
-    assert not rt.is_jax_strategy(plain)
+    assert rt.is_jax_strategy(plain)  # the automatic choice: JAX is the only runtime of this manager
     marked = rt.as_jax_strategy(plain)
-    assert marked.backend == "jax" and rt.is_jax_strategy(marked) and rt.as_jax_strategy(marked) is marked
-    monkeypatch.setenv(rt.ENV_RUNTIME, "jax")
-    assert rt.is_jax_strategy(plain)
-    with pytest.raises(ValueError, match="backend='nccl'"):
-        rt.as_jax_strategy(plain.replace(backend="nccl"))
+    assert marked.runtime == "jax" and marked.backend is None
+    assert rt.is_jax_strategy(marked) and rt.as_jax_strategy(marked) is marked
+    assert not rt.is_jax_strategy(plain.replace(runtime="torch"))
+    with pytest.raises(ValueError, match=r"A JAX model runs on the JAX runtime\. Received: "
+                                         r"Strategy\(runtime='torch'\)\. Use Strategy\(runtime='jax'\)"):
+        rt.as_jax_strategy(plain.replace(runtime="torch"))
+    with pytest.raises(pp.TopologyError, match=r"it has no backend to choose, so backend must be None"):
+        marked.replace(backend="gloo").session()
     with pytest.raises(TypeError, match="Received: dict"):
         rt.as_jax_strategy({"data": 8})
 
