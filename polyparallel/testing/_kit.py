@@ -53,8 +53,10 @@ def bind_plugin_manager(strategy: Strategy, plugin_manager: Any) -> Strategy:
     """``strategy`` (same value) dispatching through ``plugin_manager``: what a driver's
     :meth:`~ConformanceDriver.bind` returns to test a plugin registered on its own
     ``PluginManager(autoload=False)`` (a pickled strategy arrives without its manager)."""
-    _, (values,) = strategy.__reduce__()
-    return Strategy(**values, plugin_manager=plugin_manager)
+    rebuild, args = strategy.__reduce__()  # the pickled form: the value and its chosen runtime
+    bound = rebuild(*args)
+    object.__setattr__(bound, "_pm", plugin_manager)
+    return bound
 
 
 class ConformanceDriver(abc.ABC):
