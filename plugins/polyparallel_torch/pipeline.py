@@ -117,7 +117,8 @@ class PipelineModel(nn.Module):
              evaluate: bool) -> Any:
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
-        with self.runtime.collective(what, "pipeline"):
+        # One identity check per step: every stage runs the same schedule on a batch of one size.
+        with self.runtime.operation(what, "pipeline", f"batch {len(x)}"), self.runtime.collective(what, "pipeline"):
             if evaluate:
                 return schedule.eval(*args, target=target, losses=losses)
             return schedule.step(*args, target=target, losses=losses)
