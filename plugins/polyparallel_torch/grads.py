@@ -23,7 +23,8 @@ wrap) is reduced here, with DDP's semantics for parameters without a gradient:
   place. A tensor as large as a bucket is reduced in place, uncopied.
 - Before any payload, one identity check (:meth:`TorchRuntime.check`, one 16-byte all-reduce)
   makes sure every rank of the data group is at the same ``sync_grads`` with the same layout and
-  op; otherwise every rank raises naming both sides.
+  op; otherwise every rank raises naming both sides. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` skips
+  it (see :mod:`polyparallel_torch.runtime`).
 
 A list of gradient tensors is packed per call; it cannot say which parameter a missing gradient
 belongs to, so a ``None`` in it is refused (pass the module instead); the peers learn of the
@@ -116,12 +117,13 @@ class _Layout:
         cuts = ",".join(str(len(b.params)) for b in self.buckets)
         self.digest = hashlib.blake2b(f"{shapes}|{cuts}".encode(), digest_size=12).hexdigest()
         total = sum(t.numel() for t in locals_)
-        self.summary = f"{len(params)} gradients ({total:,} elements) in {len(self.buckets)} buckets"
+        self.summary = f"{len(params)} gradients ({total:,} elements) in {len(self.buckets)} bucket(s)"
 
     def sync(self, rt: TorchRuntime, op: str) -> None:
         grads = [p.grad for p in self.params]
         all_present = all(g is not None for g in grads)
-        with rt.operation(OPERATION, "data", f"{self.summary}, op {op}, layout {self.digest}"):
+        detail = f"{self.summary}, op {op}, layout {self.digest}"
+        with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
             if not self.buckets:
                 return
             present: list[bool] | None = None
@@ -282,8 +284,10 @@ def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
     grads = [_local(g) for g in target if g is not None]
     detail = ", ".join(f"{g.dtype}{list(g.shape)}" for g in grads) + f"; op {op}"
     if refusal is not None:  # raises on every rank of the group (the peers learn why)
+        if not rt.check_sync_grads:  # no check to tell them: they will time out in the payload
+            raise TypeError(refusal)
         rt.check(OPERATION, "data", detail, refusal=refusal)
-    with rt.operation(OPERATION, "data", detail):
+    with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
         for bucket in buckets(grads, bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             rt.all_reduce(flat, op, OPERATION, "data")

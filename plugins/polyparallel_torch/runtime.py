@@ -30,7 +30,11 @@ hash of (operation, axis, per-axis sequence number, shapes and dtypes). All rank
 #3 on rank 1 over the 'data' axis"), before any payload collective could mix a running mean with
 a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
 sends nothing): the ranks then pair one operation apart, and the first pairing of two different
-operations (or shapes) is reported; if the ops are all alike, the last one times out.
+operations (or shapes) is reported; if the ops are all alike, the last one times out. Making the
+runtime is checked too, over the default group: ranks that made it with another topology,
+backend or timeout fail at once naming both. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` (read when the
+runtime is made; it must be alike on every rank, which that first check verifies) skips the check
+of ``sync_grads``, the one operation on the hot path.
 
 **Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any
 :class:`~polyparallel.CollectiveError`, a late peer may still be inside a collective of these
@@ -110,6 +114,9 @@ class TorchRuntime:
         self.world_size = session.world_size
         self.device = default_device()
         self.timeout_s = float(session.strategy.timeout)
+        # POLYPARALLEL_CHECK_SYNC_GRADS=0 skips the identity check of sync_grads (one small
+        # all-reduce per call; see README). Every rank must agree: checked when the groups are made.
+        self.check_sync_grads = os.environ.get("POLYPARALLEL_CHECK_SYNC_GRADS", "1").strip() != "0"
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
         self.backend = _resolved_backend(session.strategy, self.device)
         self.mesh: Any = None
@@ -120,7 +127,13 @@ class TorchRuntime:
         self._covered: dict[str, str] = {}  # axis -> the open operation whose check covers it
         self._at_close: list[Callable[[], None]] = []
         if self.world_size > 1:
-            self._init_groups()
+            try:
+                self._init_groups()
+            except BaseException as exc:
+                # Groups may be half made and peers may still be making them: drop, never destroy.
+                self.mark_broken(f"making the process groups failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+                self.close()
+                raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
     def _init_groups(self) -> None:
@@ -154,6 +167,11 @@ class TorchRuntime:
                 self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
                 **({"backend_override": override} if override else {}),
             )
+        # Every rank made the same runtime (a rank that made it with another timeout or topology, or
+        # with the sync_grads check switched otherwise, would pair its collectives wrongly).
+        self.check("start the torch runtime", "world",
+                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s, "
+                   f"sync_grads check {'on' if self.check_sync_grads else 'off (POLYPARALLEL_CHECK_SYNC_GRADS=0)'}")
 
     @property
     def owns_default_group(self) -> bool:
@@ -204,8 +222,12 @@ class TorchRuntime:
     # -- groups ---------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``None`` when the axis has size 1 or
-        the world is one process)."""
-        if self.mesh is None or self.topology.size(axis) == 1:
+        the world is one process; the default group for ``"world"``)."""
+        if self.mesh is None:
+            return None
+        if axis == "world":  # identity checks of the runtime itself
+            return dist.group.WORLD
+        if self.topology.size(axis) == 1:
             return None
         return self.mesh.get_group(axis)
 
@@ -312,7 +334,7 @@ class TorchRuntime:
                 raise TypeError(refusal)
             return name
         # Every rank of the group saw the mismatch: all of them gather the descriptors.
-        out: list[Any] = [None] * self.topology.size(axis)
+        out: list[Any] = [None] * len(self.group_ranks(axis))
         with self.collective(operation, axis, f"{name} (identity check)"):
             dist.all_gather_object(out, (self.rank, operation, seq, detail, refusal), group=group)
         message = _mismatch_message((self.rank, operation, seq, detail, refusal), out, axis, self.group_ranks(axis))
@@ -322,10 +344,10 @@ class TorchRuntime:
         raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
 
     @contextlib.contextmanager
-    def operation(self, name: str, axis: str, detail: str = "") -> Iterator[None]:
-        """One polyparallel operation over ``axis``: :meth:`check` once, then the collectives of
-        the body over that axis skip their own checks."""
-        label = self.check(name, axis, detail)
+    def operation(self, name: str, axis: str, detail: str = "", check: bool = True) -> Iterator[None]:
+        """One polyparallel operation over ``axis``: :meth:`check` once (unless ``check`` is
+        false), then the collectives of the body over that axis skip their own checks."""
+        label = self.check(name, axis, detail) if check else name
         previous = self._covered.get(axis)
         self._covered[axis] = label
         try:
@@ -403,7 +425,8 @@ def _mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ran
         f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
         f"{mine[0]} vs {side(other, detail)} on rank {other[0]}.",
         "Every rank of a group must call the same polyparallel operations in the same order, with the same "
-        "shapes; no payload was exchanged. Each rank of the group called:",
+        "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
+        "Each rank of the group called:",
         *(f"  rank {d[0]}: {side(d, True)}" for d in everyone),
         "The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
         "processes.",

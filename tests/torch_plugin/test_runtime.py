@@ -200,6 +200,18 @@ def _out_of_step_worker() -> dict:
     else:
         time.sleep(5)
         out["c"] = _fails(lambda: s.reduce_metrics({"x": 1.0}))
+    # (d) POLYPARALLEL_CHECK_SYNC_GRADS=0 on every rank: sync_grads without its check, same result.
+    os.environ["POLYPARALLEL_CHECK_SYNC_GRADS"] = "0"
+    s = pp.Strategy(data=2, timeout=23)
+    grads = [torch.full((3,), float(rank))]
+    s.sync_grads(grads)
+    out["d"] = grads[0].tolist()
+    out["d_seq"] = dict(get_runtime(s.session())._seq)  # only the runtime's start was checked
+    # (e) ranks that make their runtimes differently (the switch, or the timeout) are told so at once.
+    os.environ["POLYPARALLEL_CHECK_SYNC_GRADS"] = "0" if rank == 0 else "1"
+    out["e_switch"] = _fails(lambda: pp.Strategy(data=2, timeout=24).reduce_metrics({"x": 1.0}))
+    del os.environ["POLYPARALLEL_CHECK_SYNC_GRADS"]
+    out["e_timeout"] = _fails(lambda: pp.Strategy(data=2, timeout=25 + rank).reduce_metrics({"x": 1.0}))
     pp.get_plugin_manager().close_sessions()
     out["initialised_after_close"] = dist.is_initialized()
     return out
@@ -225,3 +237,10 @@ def test_operations_out_of_step_and_broken_runtime(run):
     assert r0["c_then"]["type"] == "CollectiveError" and r0["c_then"]["elapsed"] < 1
     assert "broken" in r0["c_then"]["message"] and "Restart the processes" in r0["c_then"]["message"]
     assert r1["c"]["type"] in ("CollectiveTimeout", "CollectiveError"), r1["c"]
+    for r in (r0, r1):
+        assert r["d"] == [0.5] * 3 and r["d_seq"] == {"world": 1}, r
+        for case, sides in (("e_switch", ("sync_grads check off", "sync_grads check on")),
+                            ("e_timeout", ("timeout 25 s", "timeout 26 s"))):
+            assert r[case]["type"] == "CollectiveError", r[case]
+            assert "start the torch runtime #1" in r[case]["message"], r[case]
+            assert all(side in r[case]["message"] for side in sides), r[case]
