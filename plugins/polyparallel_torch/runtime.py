@@ -136,9 +136,26 @@ class TorchRuntime:
                 raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
+    def _check_backend(self) -> None:
+        # Before any process group: a backend torch cannot run otherwise fails inside c10d, late
+        # and obscurely (or, for nccl without a GPU, only at the first collective).
+        available = [b for b in ("gloo", "nccl", "ucc", "mpi", "xccl") if dist.is_backend_available(b)]
+        if self.backend not in available:
+            raise pp.TopologyError(
+                f"Strategy(backend={self.backend!r}): this torch build cannot run the {self.backend!r} process-group "
+                f"backend; available here: {', '.join(available) or 'none'}. Use one of them, or backend=None "
+                "(nccl on CUDA, else gloo)."
+            )
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise pp.TopologyError(
+                "Strategy(backend='nccl') needs CUDA devices, and this process sees none; use backend='gloo' "
+                "(or backend=None, which picks gloo on CPU)."
+            )
+
     def _init_groups(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        self._check_backend()
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size:
                 raise pp.TopologyError(

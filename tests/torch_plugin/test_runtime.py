@@ -65,6 +65,22 @@ def test_identity_hash_is_the_same_in_every_process():
     assert 0 <= other < 2**62
 
 
+@pytest.mark.parametrize("backend, match", [
+    ("bogus", r"cannot run the 'bogus' process-group backend; available here: gloo"),
+    # a CPU-only build has no nccl at all; a CUDA build on a machine without a GPU has no device
+    pytest.param("nccl", r"'nccl'.*(needs CUDA devices|available here: gloo)", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="this machine has CUDA: nccl can run")),
+])
+def test_a_backend_torch_cannot_run_is_refused_before_any_group(monkeypatch, backend, match):
+    # Rank 0 of a 2-process world that was never started (no MASTER_ADDR): an error raised here
+    # came before any collective or rendezvous.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(pp.TopologyError, match=match):
+        pp.Strategy(data=2, backend=backend, timeout=5).reduce_metrics({"x": 1.0})
+
+
 def test_a_list_with_none_is_refused_on_one_process_too():
     with pytest.raises(pp.PluginError, match=r"None at position\(s\) \[1\].*Pass the module"):
         pp.Strategy(data=1).sync_grads([torch.ones(2), None])
@@ -122,8 +138,19 @@ _USER_SCRIPT = textwrap.dedent("""
     pp.get_plugin_manager().close_sessions()
     t = torch.ones(1)
     dist.all_reduce(t)  # the user's group still works
-    print(json.dumps({"value": value, "made": made, "left": len(pg_map), "initialised": dist.is_initialized(),
-                      "user_sum": t.item()}))
+    left = len(pg_map)
+    # Without a backend override, DeviceMesh uses the default group itself for a dimension that
+    # spans the world: tearing that dimension's group down must leave WORLD alone.
+    import polyparallel_torch.runtime as runtime
+    runtime._backend_options = lambda backend, timeout: None
+    s = pp.Strategy(data=2, timeout=31)
+    aliased = runtime.get_runtime(s.session()).group("data") is dist.group.WORLD
+    value2 = s.reduce_metrics({"x": 2.0 * dist.get_rank()})["x"]
+    pp.get_plugin_manager().close_sessions()
+    t2 = torch.ones(1)
+    dist.all_reduce(t2)
+    print(json.dumps({"value": value, "made": made, "left": left, "initialised": dist.is_initialized(),
+                      "user_sum": t.item(), "aliased": aliased, "value2": value2, "user_sum2": t2.item()}))
     dist.destroy_process_group()
 """)
 
@@ -152,6 +179,7 @@ def test_default_group_of_the_user_survives_our_teardown(tmp_path):
         assert r["value"] == 0.5 and r["initialised"] and r["user_sum"] == 2.0, r
         # our mesh sub-groups were destroyed, the user's default group was not
         assert r["made"] > 1 and r["left"] == 1, r
+        assert r["aliased"] and r["value2"] == 1.0 and r["user_sum2"] == 2.0, r
 
 
 # -- operations out of step; the broken runtime ----------------------------------------------------------
