@@ -47,7 +47,7 @@ import polyparallel as pp
 from .model import is_ddp
 from .runtime import TorchRuntime
 
-__all__ = ["sync_gradients", "no_sync", "buckets"]
+__all__ = ["buckets", "no_sync", "sync_gradients"]
 
 OPERATION = "sync_grads"
 
@@ -299,7 +299,7 @@ def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients without synchronising (DDP's ``no_sync``; a no-op for bare modules,
     whose gradients are only synced when ``strategy.sync_grads`` is called)."""
-    if is_ddp(model):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
     else:

@@ -161,7 +161,7 @@ def _shapes(model: nn.Module) -> str:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (or the model itself)."""
-    return model.module if is_ddp(model) else model
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 import polyparallel as pp
 
-__all__ = ["TorchRuntime", "get_runtime", "default_device", "runtime_key"]
+__all__ = ["TorchRuntime", "default_device", "get_runtime", "runtime_key"]
 
 _STASH_KEY = "polyparallel_torch.runtime"
 
@@ -77,7 +77,7 @@ _WORLD: dict[str, Any] = {"group": None, "users": 0, "broken": False}
 def default_device() -> torch.device:
     """The device this process computes on: its local CUDA device if there is one, else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 
@@ -178,7 +178,7 @@ class TorchRuntime:
         self._uses_world = True
         # Sub-groups made by new_group() default to a 30-minute timeout, not the world's: pass ours.
         options = _backend_options(self.backend, self.timeout)
-        override = {axis: (self.backend, options) for axis in self.topology.axis_names} if options is not None else None
+        override: Any = {axis: (self.backend, options) for axis in self.topology.axis_names} if options is not None else None
         with self.collective("init_device_mesh", "world"):
             self.mesh = init_device_mesh(
                 self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
@@ -439,21 +439,21 @@ def _mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ran
     other = next((d for d in everyone if d[1:] != mine[1:]), everyone[0])
     detail = mine[1:3] == other[1:3]  # same operation and number: the shapes are what differs
     lines = [
-        f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
-        f"{mine[0]} vs {side(other, detail)} on rank {other[0]}.",
-        "Every rank of a group must call the same polyparallel operations in the same order, with the same "
-        "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
-        "Each rank of the group called:",
+        (f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
+         f"{mine[0]} vs {side(other, detail)} on rank {other[0]}."),
+        ("Every rank of a group must call the same polyparallel operations in the same order, with the same "
+         "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
+         "Each rank of the group called:"),
         *(f"  rank {d[0]}: {side(d, True)}" for d in everyone),
-        "The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
-        "processes.",
+        ("The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
+         "processes."),
     ]
     return "\n".join(lines)
 
 
 def _backend_options(backend: str, timeout: datetime.timedelta) -> Any:
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:
