@@ -102,6 +102,10 @@ def _sharing_worker(launched: pp.Strategy) -> dict:
     out["mixed"] = (seeded if rank == 0 else launched).reduce_metrics({"x": float(rank)})["x"]
     # Policies come from the strategy of each call, not from the runtime's first strategy.
     out["sum"] = launched.replace(metric_policy=pp.MetricPolicy("sum")).reduce_metrics({"x": 1.0})["x"]
+    states = {"ema": torch.tensor([float(rank)])}
+    launched.replace(state_policy={"*": "mean"}).sync_states(states)  # the default would broadcast
+    out["mean_state"] = states["ema"].item()
+    out["still_one_runtime"] = len({id(get_runtime(x.session())) for x in launched.plugin_manager._sessions})
     # Closing the session that created the default group leaves the others working.
     launched.session().close()
     out["after_close"] = seeded.reduce_metrics({"x": float(rank)})["x"]
@@ -119,7 +123,8 @@ def test_strategies_differing_in_seed_share_groups_and_teardown_is_counted(run):
     launched = pp.Strategy(data=2, timeout=20)
     for r in run(_sharing_worker, launched, 2, launched, timeout=150):
         assert r["same_runtime"] and r["same_group"] and r["new_groups"] == 0, r
-        assert r["mixed"] == 0.5 and r["sum"] == 2.0 and r["after_close"] == 0.5, r
+        assert r["mixed"] == 0.5 and r["sum"] == 2.0 and r["mean_state"] == 0.5 and r["after_close"] == 0.5, r
+        assert r["still_one_runtime"] == 1, r
         assert r["initialised_after_close"], r
         assert not r["initialised_at_end"] and r["groups_at_end"] == 0, r
 
