@@ -233,6 +233,11 @@ def _out_of_step_worker() -> dict:
     else:
         time.sleep(5)
         out["c"] = _fails(lambda: s.reduce_metrics({"x": 1.0}))
+    # (f) pipeline stages at different steps (one trains, one evaluates): named, not a hang.
+    s = pp.Strategy(pipeline=2, timeout=27)
+    model = s.wrap_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), loss_fn=nn.functional.mse_loss)
+    x, y = torch.ones(2, 4), torch.zeros(2, 2)
+    out["f"] = _fails(lambda: model.train_step(x, y) if rank == 0 else model.eval_step(x))
     # (d) POLYPARALLEL_CHECK_SYNC_GRADS=0 on every rank: sync_grads without its check, same result.
     os.environ["POLYPARALLEL_CHECK_SYNC_GRADS"] = "0"
     s = pp.Strategy(data=2, timeout=23)
@@ -271,6 +276,9 @@ def test_operations_out_of_step_and_broken_runtime(run):
     assert "broken" in r0["c_then"]["message"] and "Restart the processes" in r0["c_then"]["message"]
     assert r1["c"]["type"] in ("CollectiveTimeout", "CollectiveError"), r1["c"]
     for r in (r0, r1):
+        assert r["f"]["type"] == "CollectiveError" and r["f"]["elapsed"] < 15, r["f"]
+        assert "pipeline train_step (GPipe) #1 on rank 0" in r["f"]["message"], r["f"]
+        assert "pipeline eval_step (GPipe) #1 on rank 1" in r["f"]["message"], r["f"]
         assert r["d"] == [0.5] * 3 and r["d_seq"] == {"world": 1}, r
         for case, sides in (("e_switch", ("sync_grads check off", "sync_grads check on")),
                             ("e_timeout", ("timeout 25 s", "timeout 26 s"))):
