@@ -1,12 +1,16 @@
 """Ratio benchmarks of the torch runtime against hand-written native code, side by side.
 
-    python benchmarks/bench_torch.py [--quick] [--json results.json]
+    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check] [--json results.json]
 
 (a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
     one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
     one all_reduce per parameter;
 (b) a training step through the strategy (shard_data + wrap_model + sync_grads) against a
     hand-written DDP loop on the same model, data and process group, runs interleaved;
+(b2) the same training step on a *bare* module (the non-DDP path: tensor parallel with data > 1,
+    pipelines), where ``sync_grads`` runs its identity check (one 16-byte all-reduce) before the
+    gradient buckets: steps with the check against the same steps with the check replaced by a
+    no-op, interleaved, in ``--launches`` separate launches (median and spread of the ratio);
 (c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
     model);
 (d) ``import polyparallel`` time (fresh interpreters).
@@ -146,6 +150,53 @@ def _train_step_worker(quick: bool) -> dict[str, float]:
     return {k: statistics.median(v[5:]) for k, v in times.items()}
 
 
+def _check_cost_worker(quick: bool) -> dict[str, float]:
+    """(b2): bare-module training steps with and without the identity check of sync_grads."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    strategy = pp.Strategy(data=2, timeout=120)
+    rt = __import__("polyparallel_torch.runtime", fromlist=["get_runtime"]).get_runtime(strategy.session())
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        strategy.sync_grads(model)
+        opt.step()
+
+    def unchecked(operation: str, axis: str, detail: str = "", refusal: str | None = None) -> str:
+        return operation  # what sync_grads would cost without its identity check
+
+    check_alone: list[float] = []
+    times: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    steps = 20 if quick else 60
+    for i in range(steps):
+        pair = [("checked", None), ("unchecked", unchecked)]
+        for name, replacement in (pair if i % 2 else pair[::-1]):  # alternate who goes first
+            if replacement is not None:
+                rt.check = replacement  # the same on both ranks: they run the same collectives
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+            rt.__dict__.pop("check", None)
+        dist.barrier()
+        start = time.perf_counter()
+        rt.check("bench", "data")
+        check_alone.append(time.perf_counter() - start)
+    skip = 5
+    return {"checked": statistics.median(times["checked"][skip:]),
+            "unchecked": statistics.median(times["unchecked"][skip:]),
+            "check_alone": statistics.median(check_alone[skip:])}
+
+
 def dispatch_cost() -> dict[str, float]:
     class Noop:
         @pp.hookimpl
@@ -178,11 +229,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--launches", type=int, default=None,
+                        help="launches of the identity-check benchmark (b2); default 10, 3 with --quick")
+    parser.add_argument("--only", choices=["check"], help="run only the identity-check benchmark (b2)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     strategy = pp.Strategy(data=2, timeout=120)
     rows: list[tuple[str, str, str]] = []
     figures: dict[str, Any] = {}
+    launches = args.launches or (3 if args.quick else 10)
+    per_launch = [pp.launch(_check_cost_worker, strategy, 2, args=(args.quick,), timeout=900)[0]
+                  for _ in range(launches)]
+    ratios = sorted(r["unchecked"] / r["checked"] for r in per_launch)
+    checked = statistics.median(r["checked"] for r in per_launch)
+    unchecked = statistics.median(r["unchecked"] for r in per_launch)
+    alone = statistics.median(r["check_alone"] for r in per_launch)
+    figures["identity check"] = {"ratios": ratios, "checked_s": checked, "unchecked_s": unchecked, "check_s": alone}
+    rows.append((f"bare-module step, sync_grads check on/off ({launches} launches)",
+                 f"{checked * 1e3:.2f} ms vs {unchecked * 1e3:.2f} ms; one check {alone * 1e6:.0f} us",
+                 f"{statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    if args.only == "check":
+        _print(rows, figures, args.json)
+        return
 
     grads = pp.launch(_grad_sync_worker, strategy, 2, args=(args.quick,), timeout=900)[0]
     for label, t in grads.items():
@@ -204,12 +272,16 @@ def main() -> None:
     figures["import polyparallel"] = t_import
     rows.append(("import polyparallel", f"{t_import * 1e3:.1f} ms", "-"))
 
+    _print(rows, figures, args.json)
+
+
+def _print(rows: list[tuple[str, str, str]], figures: dict[str, Any], json_path: str | None) -> None:
     width = [max(len(r[i]) for r in rows + [("benchmark", "figure", "ratio (ours/native speed)")]) for i in range(3)]
     print(f"{'benchmark':<{width[0]}}  {'figure':<{width[1]}}  ratio (ours/native speed)")
     for r in rows:
         print(f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(figures, f, indent=2)
 
 

@@ -2,14 +2,39 @@
 
 A DDP-wrapped module already reduced its gradients during ``backward()`` (DDP's reducer,
 bucketed and overlapped with the backward pass): ``sync_grads`` is then a no-op that answers.
-For a bare module gradients are copied into persistent flat buffers of at most
-``GradPolicy.bucket_mb`` MB per dtype (kept per module, rebuilt if its parameters change): one
-collective per bucket, not one per parameter. A list of gradient tensors is packed per call.
+
+A bare module (tensor parallel with ``data > 1``, a pipeline stage, a module the user did not
+wrap) is reduced here, with DDP's semantics for parameters without a gradient:
+
+- The bucket layout follows the module's *trainable* parameters (``requires_grad``), re-checked on
+  every call: a parameter unfrozen after the first step is reduced from then on, a frozen one is
+  left alone. The check is cheap: the parameter list is cached (invalidated when torch registers a
+  parameter or a module anywhere, through torch's registration hooks, installed only while a torch
+  runtime that synced gradients is open) and compared by its ``requires_grad`` mask.
+- Every rank runs the same collectives whatever its gradients: a gradient that is ``None`` on
+  this rank contributes zeros. Which parameters have a gradient on *some* rank travels with the
+  gradients (a presence tail, one element per parameter, at the end of the first flat bucket; a
+  layout of single-tensor buckets only gets one tiny extra all-reduce for it): a parameter used on
+  some rank gets the average with zeros from the others, one unused on every rank keeps
+  ``grad=None`` (and the buckets holding only such parameters are skipped, on every rank alike).
+- Gradients are packed into persistent flat buffers of at most ``GradPolicy.bucket_mb`` MB per
+  dtype (25 MB by default) whose views become the parameters' ``.grad`` (DDP's "gradient as
+  bucket view"): one collective per bucket, and no copy at all for a loop that zeroes gradients in
+  place. A tensor as large as a bucket is reduced in place, uncopied.
+- Before any payload, one identity check (:meth:`TorchRuntime.check`, one 16-byte all-reduce)
+  makes sure every rank of the data group is at the same ``sync_grads`` with the same layout and
+  op; otherwise every rank raises naming both sides. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` skips
+  it (see :mod:`polyparallel_torch.runtime`).
+
+A list of gradient tensors is packed per call; it cannot say which parameter a missing gradient
+belongs to, so a ``None`` in it is refused (pass the module instead); the peers learn of the
+refusal through the identity check instead of waiting for a collective.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -17,10 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
+import polyparallel as pp
+
 from .model import is_ddp
 from .runtime import TorchRuntime
 
-__all__ = ["sync_gradients", "no_sync", "buckets"]
+__all__ = ["buckets", "no_sync", "sync_gradients"]
+
+OPERATION = "sync_grads"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,97 +72,226 @@ def buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterator[list
     yield from (b for b in open_.values() if b)
 
 
-class _FlatBuffers:
-    """Persistent flat buffers of a module's gradients (one per bucket) whose views become the
-    parameters' ``.grad`` — DDP's "gradient as bucket view" — so that a loop that zeroes
-    gradients in place (``zero_grad(set_to_none=False)``) syncs with one all-reduce per bucket
-    and no copy at all. Fresh gradients (``set_to_none=True``, the default) are copied in with one
-    ``_foreach_copy_`` per bucket, then replaced by the views. A tensor as large as a bucket is
-    reduced in place, uncopied."""
+class _Bucket:
+    """Parameters reduced by one collective: a flat buffer whose views are their gradients, or
+    (``flat is None``) one tensor as large as a bucket, reduced where it is."""
+
+    def __init__(self, params: list[torch.Tensor], indices: list[int], tail: int):
+        self.params = params
+        self.indices = indices  # positions in the layout (for the presence flags)
+        self.sharded = [hasattr(p, "to_local") for p in params]
+        self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+        self.tail: torch.Tensor | None = None
+        if len(params) == 1 and tail == 0:
+            return
+        locals_ = [_local(p) for p in params]
+        numels = [t.numel() for t in locals_]
+        size = sum(numels)
+        self.flat = torch.zeros(size + tail, dtype=locals_[0].dtype, device=locals_[0].device)
+        self.views = [v.view(t.shape) for v, t in zip(self.flat[:size].split(numels), locals_)]
+        if tail:
+            self.tail = self.flat[size:]
+
+
+class _Layout:
+    """The buckets of one module's trainable parameters, for one bucket size."""
 
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
-        self.key = tuple(map(id, params))
-        self.buckets: list[tuple[torch.Tensor | None, list[torch.Tensor], list[torch.Tensor]]] = []
-        self.sharded: dict[int, list[bool]] = {}
+        self.params = params
+        self.bucket_bytes = bucket_bytes
         locals_ = [_local(p) for p in params]
-        by_id = {id(local): param for local, param in zip(locals_, params)}
-        for bucket in buckets(locals_, bucket_bytes):
-            owners = [by_id[id(t)] for t in bucket]
-            if len(bucket) == 1:
-                self.buckets.append((None, owners, []))
-                continue
-            numels = [t.numel() for t in bucket]
-            flat = torch.zeros(sum(numels), dtype=bucket[0].dtype, device=bucket[0].device)
-            views = [v.view(t.shape) for v, t in zip(flat.split(numels), bucket)]
-            self.buckets.append((flat, owners, views))
-            self.sharded[id(flat)] = [hasattr(p, "to_local") for p in owners]
+        position = {id(t): i for i, t in enumerate(locals_)}
+        groups = [[position[id(t)] for t in bucket] for bucket in buckets(locals_, bucket_bytes)]
+        # The presence flags ride at the end of the first bucket that is a flat buffer anyway;
+        # reduced first, it tells which parameters have a gradient on some rank.
+        carrier = next((i for i, g in enumerate(groups) if len(g) > 1), None)
+        self.buckets = [_Bucket([params[i] for i in g], g, len(params) if i == carrier else 0)
+                        for i, g in enumerate(groups)]
+        if carrier is not None:
+            self.buckets.insert(0, self.buckets.pop(carrier))
+        self.presence: torch.Tensor | None = None  # its own buffer when no bucket carries it
+        if carrier is None and params:
+            self.presence = torch.zeros(len(params), dtype=torch.float32, device=locals_[0].device)
+        shapes = ";".join(f"{t.dtype}{list(t.shape)}" for t in locals_)
+        cuts = ",".join(str(len(b.params)) for b in self.buckets)
+        self.digest = hashlib.blake2b(f"{shapes}|{cuts}".encode(), digest_size=12).hexdigest()
+        total = sum(t.numel() for t in locals_)
+        self.summary = f"{len(params)} gradients ({total:,} elements) in {len(self.buckets)} bucket(s)"
 
     def sync(self, rt: TorchRuntime, op: str) -> None:
-        for flat, params, views in self.buckets:
-            grads = [p.grad for p in params]
-            if flat is None:  # one large tensor: reduce it where it is
-                if grads[0] is not None:
-                    rt.all_reduce(_local(grads[0]), op, "sync_grads", "data")
-                continue
-            if all(g is v for g, v in zip(grads, views)):
-                rt.all_reduce(flat, op, "sync_grads", "data")  # gradients already live in the buffer
-                continue
-            if any(g is None for g in grads):
-                flat.zero_()  # an unused parameter contributes zeros, as with DDP
-                present = [(_local(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
-                if present:
-                    torch._foreach_copy_([v for _, v in present], [g for g, _ in present])
-            else:  # one C++ call packs every gradient (faster than per-tensor copies when small)
-                torch.cat([_local(g).reshape(-1) for g in grads], out=flat)
-            rt.all_reduce(flat, op, "sync_grads", "data")
-            for p, g, v, sharded in zip(params, grads, views, self.sharded[id(flat)]):
-                if sharded:  # a DTensor's .grad must stay a DTensor: copy back into its shard
-                    if g is not None:
-                        _local(g).copy_(v)
-                else:
-                    p.grad = v
+        grads = [p.grad for p in self.params]
+        all_present = all(g is not None for g in grads)
+        detail = f"{self.summary}, op {op}, layout {self.digest}"
+        with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
+            if not self.buckets:
+                return
+            present: list[bool] | None = None
+            if self.presence is not None:  # no flat bucket to carry the flags: one tiny all-reduce
+                self._flags_into(self.presence, grads, all_present)
+                rt.all_reduce(self.presence, "max", OPERATION, "data")
+                present = None if all_present else [f > 0 for f in self.presence.tolist()]
+            for bucket in self.buckets:
+                mine = [grads[i] for i in bucket.indices]
+                if present is not None and not any(present[i] for i in bucket.indices):
+                    continue  # no rank has a gradient for any of these: leave them None everywhere
+                if bucket.flat is None:
+                    self._sync_single(bucket, mine[0], rt, op)
+                    continue
+                if bucket.tail is not None:
+                    self._flags_into(bucket.tail, grads, all_present)
+                self._sync_flat(bucket, mine, rt, op)
+                if bucket.tail is not None and not all_present:
+                    present = [f > 0 for f in bucket.tail.tolist()]
+                self._assign(bucket, mine, present)
+
+    @staticmethod
+    def _flags_into(flags: torch.Tensor, grads: list[Any], all_present: bool) -> None:
+        if all_present:
+            flags.fill_(1)
+        else:
+            flags.copy_(torch.tensor([g is not None for g in grads], dtype=flags.dtype))
+
+    @staticmethod
+    def _sync_single(bucket: _Bucket, grad: torch.Tensor | None, rt: TorchRuntime, op: str) -> None:
+        if grad is not None:
+            rt.all_reduce(_local(grad), op, OPERATION, "data")
+            return
+        param = bucket.params[0]  # unused here, used elsewhere: contribute zeros, take the result
+        zeros = torch.zeros_like(_local(param))
+        rt.all_reduce(zeros, op, OPERATION, "data")
+        param.grad = _as_grad_of(param, zeros)
+
+    @staticmethod
+    def _sync_flat(bucket: _Bucket, grads: list[Any], rt: TorchRuntime, op: str) -> None:
+        assert bucket.flat is not None
+        in_place = [g is v for g, v in zip(grads, bucket.views)]
+        if all(in_place):  # gradients already live in the buffer (zeroed in place between steps)
+            pass
+        elif any(in_place) or any(g is None for g in grads):
+            for g, v in zip(grads, bucket.views):
+                if g is None:
+                    v.zero_()  # an unused parameter contributes zeros, as with DDP
+            fresh = [(_local(g), v) for g, v, same in zip(grads, bucket.views, in_place) if g is not None and not same]
+            if fresh:
+                torch._foreach_copy_([v for _, v in fresh], [g for g, _ in fresh])
+        else:  # one C++ call packs every gradient (faster than per-tensor copies when small)
+            size = bucket.flat.numel() - (0 if bucket.tail is None else bucket.tail.numel())
+            torch.cat([_local(g).reshape(-1) for g in grads], out=bucket.flat[:size])
+        rt.all_reduce(bucket.flat, op, OPERATION, "data")
+
+    @staticmethod
+    def _assign(bucket: _Bucket, grads: list[Any], present: list[bool] | None) -> None:
+        for p, g, v, i, sharded in zip(bucket.params, grads, bucket.views, bucket.indices, bucket.sharded):
+            if g is None and present is not None and not present[i]:
+                continue  # unused on every rank: stays None, as with DDP
+            if not sharded:
+                p.grad = v
+            elif g is not None:  # a DTensor's .grad must stay a DTensor: copy back into its shard
+                _local(g).copy_(v)
+            else:
+                p.grad = _as_grad_of(p, v.clone())
 
 
-_BUFFERS: "weakref.WeakKeyDictionary[nn.Module, tuple[int, list[torch.Tensor], _FlatBuffers]]" = weakref.WeakKeyDictionary()
-# Bumped whenever any module registers a parameter (torch's global registration hook, installed
-# on the first sync): a module's cached parameter list is reused while the count is unchanged,
-# which saves walking the module tree on every step (2 ms for 2,000 parameters here).
+def _as_grad_of(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    if not hasattr(param, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=param.shape, stride=param.stride())
+
+
+# -- the per-module cache ---------------------------------------------------------------------------------
+class _Entry:
+    def __init__(self, registrations: int, params: list[torch.Tensor]):
+        self.registrations = registrations
+        self.params = params  # every parameter, trainable or not, in module.parameters() order
+        self.mask = [p.requires_grad for p in params]
+        self.layout: _Layout | None = None
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, _Entry] = weakref.WeakKeyDictionary()
+# Bumped whenever torch registers a parameter or a submodule anywhere, while the hooks are installed
+# (installed on the first sync of a runtime, removed when the last such runtime closes): a cached
+# parameter list is reused while the count is unchanged, which saves walking the module tree on
+# every step (about 2 ms for 2,000 parameters here).
 _registrations = [0]
-_hook_installed = [False]
+_hooks: list[Any] = []
+_hook_users: weakref.WeakSet[TorchRuntime] = weakref.WeakSet()
 
 
 def _count_registration(*_: Any) -> None:
     _registrations[0] += 1
 
 
-def _params_of(module: nn.Module, bucket_bytes: int) -> tuple[list[torch.Tensor], _FlatBuffers]:
-    if not _hook_installed[0]:
-        nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-        _hook_installed[0] = True
-    cached = _BUFFERS.get(module)
-    if cached is not None and cached[0] == _registrations[0] and all(p.requires_grad for p in cached[1]):
-        return cached[1], cached[2]
-    params = [p for p in module.parameters() if p.requires_grad]
-    flat = cached[2] if cached is not None and cached[2].key == tuple(map(id, params)) else _FlatBuffers(params, bucket_bytes)
-    _BUFFERS[module] = (_registrations[0], params, flat)
-    return params, flat
+def _use_hooks(rt: TorchRuntime) -> None:
+    if rt in _hook_users:
+        return
+    if not _hooks:
+        _registrations[0] += 1  # whatever changed while they were off: every cached list is stale
+        _hooks.append(nn.modules.module.register_module_parameter_registration_hook(_count_registration))
+        _hooks.append(nn.modules.module.register_module_module_registration_hook(_count_registration))
+    _hook_users.add(rt)
+    rt.at_close(lambda: _release_hooks(rt))
 
 
-def sync_gradients(target: Any, rt: TorchRuntime) -> Any:
-    """Average (or sum, per ``GradPolicy.op``) gradients of ``target`` over the data group."""
-    if is_ddp(target) or rt.topology.size("data") == 1:
-        return target  # DDP's reducer already averaged them; or there is nobody to average with
-    op = "avg" if rt.strategy.grad_policy.op == "mean" else "sum"
-    bucket_bytes = rt.strategy.grad_policy.bucket_bytes()
+def _release_hooks(rt: TorchRuntime) -> None:
+    _hook_users.discard(rt)
+    if not _hook_users:
+        while _hooks:
+            _hooks.pop().remove()
+        _CACHE.clear()
+
+
+def _layout_of(module: nn.Module, bucket_bytes: int, rt: TorchRuntime) -> _Layout:
+    _use_hooks(rt)
+    entry = _CACHE.get(module)
+    if entry is None or entry.registrations != _registrations[0]:
+        entry = _CACHE[module] = _Entry(_registrations[0], list(module.parameters()))
+    mask = [p.requires_grad for p in entry.params]
+    if entry.layout is None or mask != entry.mask or entry.layout.bucket_bytes != bucket_bytes:
+        entry.mask = mask
+        entry.layout = _Layout([p for p, m in zip(entry.params, mask) if m], bucket_bytes)
+    return entry.layout
+
+
+def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
+    """Average (or sum, per ``strategy.grad_policy.op``) gradients of ``target`` over the data
+    group; see the module docstring for parameters without a gradient."""
+    rt.ensure_usable(OPERATION, "data")
+    if is_ddp(target):
+        return target  # DDP's reducer already averaged them during backward()
+    missing = [] if isinstance(target, nn.Module) else [i for i, g in enumerate(target) if g is None]
+    refusal = None
+    if missing:
+        refusal = (
+            f"sync_grads() got a list of {len(target)} gradients with None at position(s) {missing} on rank "
+            f"{rt.rank}; a list cannot say which parameter a missing gradient belongs to, so the ranks could not "
+            "agree on what to reduce. Pass the module instead (strategy.sync_grads(model)): a parameter unused on "
+            "this rank then contributes zeros, as with DDP."
+        )
+    if rt.topology.size("data") == 1:  # nobody to average with (a list with None fails alike everywhere)
+        if refusal is not None:
+            raise TypeError(refusal)
+        return target
+    policy = strategy.grad_policy
+    op = "avg" if policy.op == "mean" else "sum"
+    bucket_bytes = policy.bucket_bytes()
     if isinstance(target, nn.Module):
-        _, flat = _params_of(target, bucket_bytes)
-        flat.sync(rt, op)
+        _layout_of(target, bucket_bytes, rt).sync(rt, op)
         return target
     grads = [_local(g) for g in target if g is not None]
-    for bucket in buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        rt.all_reduce(flat, op, "sync_grads", "data")
-        torch._foreach_copy_(bucket, [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+    detail = ", ".join(f"{g.dtype}{list(g.shape)}" for g in grads) + f"; op {op}"
+    if refusal is not None:  # raises on every rank of the group (the peers learn why)
+        if not rt.check_sync_grads:  # no check to tell them: they will time out in the payload
+            raise TypeError(refusal)
+        rt.check(OPERATION, "data", detail, refusal=refusal)
+    with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
+        for bucket in buckets(grads, bucket_bytes):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            rt.all_reduce(flat, op, OPERATION, "data")
+            torch._foreach_copy_(bucket, [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
     return target
 
 
@@ -141,7 +299,7 @@ def sync_gradients(target: Any, rt: TorchRuntime) -> Any:
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients without synchronising (DDP's ``no_sync``; a no-op for bare modules,
     whose gradients are only synced when ``strategy.sync_grads`` is called)."""
-    if is_ddp(model):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         with model.no_sync():
             yield
     else:

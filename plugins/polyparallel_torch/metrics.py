@@ -1,9 +1,12 @@
 """``reduce_metrics`` for torch: count-weighted, over the data group only, bounded in time.
 
 All values travel in one float64 buffer per reduction op (one all-reduce for the sums, and one
-each for max and min when asked for), after one small object all-gather that checks every rank
-of the group reduces the same names — a mismatch is an error naming the ranks, not a hang or a
-silently wrong number.
+each for max and min when asked for), after the runtime's identity check
+(:meth:`~polyparallel_torch.runtime.TorchRuntime.check`), whose descriptor holds every name, op
+and size: ranks that reduce different names — or that are at another operation altogether — get an
+error naming both sides, not a hang or a silently wrong number. A value of the wrong type is
+refused on every rank of the group (its peers learn it through the check). The ops come from the
+``MetricPolicy`` of the Strategy the call was made with.
 """
 
 from __future__ import annotations
@@ -27,34 +30,33 @@ def _as_tensor(value: Any) -> torch.Tensor:
     return torch.tensor([float(value)], dtype=torch.float64)
 
 
-def reduce(metrics: dict[str, Any], rt: TorchRuntime) -> dict[str, Any]:
+def reduce(metrics: dict[str, Any], rt: TorchRuntime, policy: pp.MetricPolicy) -> dict[str, Any]:
     """Reduce ``metrics`` over the data axis; see :meth:`polyparallel.Strategy.reduce_metrics`."""
-    policy = rt.strategy.metric_policy
+    rt.ensure_usable("reduce_metrics", "data")
     names = sorted(metrics)
     layout: list[tuple[str, str, int, Any]] = []  # name, op, numel, original value
+    refusal = None
     for name in names:
         value = metrics[name]
         if isinstance(value, pp.Mean):
             layout.append((name, "weighted", 2, value))
         elif isinstance(value, (torch.Tensor, numbers.Real)):
             layout.append((name, policy.op_for(name), _as_tensor(value).numel(), value))
-        else:
-            raise TypeError(
-                f"reduce_metrics(): metric {name!r} is a {type(value).__name__}; expected a number, a torch "
-                "tensor or polyparallel.Mean(total, count)."
+        elif refusal is None:
+            refusal = (
+                f"reduce_metrics(): metric {name!r} is a {type(value).__name__} ({value!r}) on rank {rt.rank}; "
+                "expected a number, a torch tensor or polyparallel.Mean(total, count). Convert it first, e.g. "
+                f"float(value)."
             )
     data_size = rt.topology.size("data")
-    if data_size > 1:
-        signature = [(n, op, k) for n, op, k, _ in layout]
-        gathered = rt.all_gather_object(signature, "reduce_metrics", "data")
-        peers = rt.group_ranks("data")
-        for peer, other in zip(peers, gathered):
-            if other != signature:
-                raise pp.CollectiveError(
-                    f"reduce_metrics over the 'data' axis: rank {rt.rank} reduces {signature} but rank {peer} "
-                    f"reduces {other}; every rank of the data group must pass the same names and ops.",
-                    operation="reduce_metrics", axis="data", rank=rt.rank,
-                )
+    signature = ", ".join(f"{n}:{op}[{k}]" for n, op, k, _ in layout)
+    if refusal is not None:  # on every rank of the data group: the peers learn why
+        rt.check("reduce_metrics", "data", signature, refusal=refusal)
+    with rt.operation("reduce_metrics", "data", signature):
+        return _reduce(layout, rt, data_size)
+
+
+def _reduce(layout: list[tuple[str, str, int, Any]], rt: TorchRuntime, data_size: int) -> dict[str, Any]:
     by_op: dict[str, list[torch.Tensor]] = {"sum": [], "max": [], "min": []}
     for name, op, _, value in layout:
         if op == "weighted":

@@ -106,10 +106,12 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -
     return options
 
 
-def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> nn.Module:
+def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
     """Apply the topology to ``model`` (options already :func:`validate`-d): tensor plan, then
-    data parallelism over the data group."""
+    data parallelism over the data group (bucket sizes from ``strategy.grad_policy``)."""
+    rt.ensure_usable("wrap_model", "data")
     topology = rt.topology
+    bucket_bytes = strategy.grad_policy.bucket_bytes()
     if topology.size("pipeline") > 1:
         from .pipeline import wrap_pipeline
 
@@ -121,34 +123,45 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any]) -> 
         model = parallelize_module(model, rt.submesh("tensor"), options["plan"])
     # A plan with tensor=1 is legal (the same script runs on any topology): nothing to shard.
     if topology.size("data") > 1 and topology.size("tensor") > 1:
-        broadcast_over_data(model, rt)
+        broadcast_over_data(model, rt, bucket_bytes)
     elif topology.size("data") > 1:
         kwargs = dict(options.get("ddp_kwargs") or {})
         if rt.device.type == "cuda":
             kwargs.setdefault("device_ids", [rt.device.index])
-        if rt.strategy.grad_policy.bucket_mb is not None:
+        if strategy.grad_policy.bucket_mb is not None:
             # Only when asked: passing DDP's own default explicitly drops its small first bucket,
             # and with it the overlap of the first all-reduce with backward (10-20% slower here).
-            kwargs.setdefault("bucket_cap_mb", rt.strategy.grad_policy.bucket_mb)
+            kwargs.setdefault("bucket_cap_mb", strategy.grad_policy.bucket_mb)
         # process_group=, not device_mesh=: given a sliced mesh, DDP installs its DTensor bridge
         # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
-        with rt.collective("wrap_model (DDP parameter broadcast)", "data"):
+        operation = "wrap_model (DDP parameter broadcast)"
+        with rt.operation(operation, "data", _shapes(model)), rt.collective(operation, "data"):
             model = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
     return model
 
 
-def broadcast_over_data(model: nn.Module, rt: TorchRuntime) -> None:
+def broadcast_over_data(model: nn.Module, rt: TorchRuntime, bucket_bytes: int | None = None) -> None:
     """Make data replicas start equal (what DDP does at construction): parameters and buffers
-    from data rank 0, shard by shard."""
-    from .states import apply_in_buckets
+    from data rank 0, shard by shard (after one identity check of their shapes)."""
+    from .states import DEFAULT_BUCKET_BYTES, apply_in_buckets
 
     tensors = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
-    apply_in_buckets([t.data for t in tensors], "broadcast", rt, "wrap_model (parameter broadcast)")
+    operation = "wrap_model (parameter broadcast)"
+    with rt.operation(operation, "data", _shapes(model)):
+        apply_in_buckets([t.data for t in tensors], "broadcast", rt, operation, bucket_bytes or DEFAULT_BUCKET_BYTES)
+
+
+def _shapes(model: nn.Module) -> str:
+    import hashlib
+
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
+    text = ";".join(f"{t.dtype}{list(t.shape)}" for t in local)
+    return f"{len(local)} tensors, digest {hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (or the model itself)."""
-    return model.module if is_ddp(model) else model
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:

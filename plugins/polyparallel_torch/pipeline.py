@@ -8,7 +8,9 @@ the last stage only. Every rank calls the same ``train_step(x, y)`` with the sam
 along the pipeline axis get identical batches from ``shard_data``); the model hands the inputs to
 the first stage and the targets to the last. Replicas of a stage over the data axis average
 their gradients with ``strategy.sync_grads(model)``. Every send/receive is bounded by the
-group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank.
+group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank; each step
+starts with the runtime's identity check over the pipeline group, so a stage that runs another
+step (an evaluation while its peers train, another batch size) fails at once naming both sides.
 
 ``PipelineStage`` infers activation shapes on its first step and reuses them, so a batch of
 another size (the short last batch of an evaluation) gets its own stage and schedule, cached by
@@ -117,7 +119,8 @@ class PipelineModel(nn.Module):
              evaluate: bool) -> Any:
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
-        with self.runtime.collective(what, "pipeline"):
+        # One identity check per step: every stage runs the same schedule on a batch of one size.
+        with self.runtime.operation(what, "pipeline", f"batch {len(x)}"), self.runtime.collective(what, "pipeline"):
             if evaluate:
                 return schedule.eval(*args, target=target, losses=losses)
             return schedule.step(*args, target=target, losses=losses)

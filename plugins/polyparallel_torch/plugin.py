@@ -68,22 +68,22 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
 
 
 @hookimpl
-def polyparallel_wrap_model(session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
+def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
     if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
     options = _lazy.model.validate(model, session.topology, options)  # before any collective
-    return _lazy.model.wrap_module(model, _runtime(session), options)
+    return _lazy.model.wrap_module(model, _runtime(session), options, strategy)
 
 
 @hookimpl
-def polyparallel_sync_grads(session: pp.Session, target: Any) -> Any:
+def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
     if session.runtime != RUNTIME or not _torch_loaded():
         return None
     if isinstance(target, _lazy.nn.Module) or (
         isinstance(target, (list, tuple)) and target
         and all(isinstance(g, _lazy.torch.Tensor) or g is None for g in target)
     ):
-        return _lazy.grads.sync_gradients(target, _runtime(session))
+        return _lazy.grads.sync_gradients(target, _runtime(session), strategy)
     return None
 
 
@@ -99,21 +99,22 @@ def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
 
 
 @hookimpl(trylast=True)
-def polyparallel_reduce_metrics(session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
+def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session,
+                                metrics: dict[str, Any]) -> dict[str, Any] | None:
     if session.runtime != RUNTIME or not _owns_metrics(metrics):
         return None
-    return _lazy.metrics.reduce(metrics, _runtime(session))
+    return _lazy.metrics.reduce(metrics, _runtime(session), strategy.metric_policy)
 
 
 @hookimpl
-def polyparallel_sync_states(session: pp.Session, states: Any) -> Any:
+def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
     if session.runtime != RUNTIME or not _torch_loaded():
         return None
     if not (isinstance(states, _lazy.nn.Module) or (
             isinstance(states, Mapping) and states
             and all(isinstance(v, _lazy.torch.Tensor) for v in states.values()))):
         return None
-    return _lazy.states.sync(states, _runtime(session))
+    return _lazy.states.sync(states, _runtime(session), strategy)
 
 
 @hookimpl

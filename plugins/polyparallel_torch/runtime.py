@@ -1,18 +1,62 @@
-"""Per-process torch.distributed runtime: the default group, a DeviceMesh, bounded collectives.
+"""Per-process torch.distributed runtime: the default group, a DeviceMesh, checked and bounded collectives.
 
-One :class:`TorchRuntime` lives in each :class:`polyparallel.Session` (``session.stash``). It is
-created on the first operation, not at import: ``init_process_group`` with the strategy's
-timeout, then ``init_device_mesh`` with the topology's axis names, so the group of every axis is
-the one DeviceMesh builds. World size 1 makes no process group at all: every collective is the
-identity, and callers have no special cases.
+**One runtime per group definition.** Process groups belong to the process, not to one
+Strategy value: :func:`get_runtime` shares one :class:`TorchRuntime` between every session whose
+groups would be the same — same resolved topology, communication backend and timeout — through
+:meth:`polyparallel.Session.acquire`. ``strategy.replace(seed=1)`` therefore reuses the groups
+(building new ones on some ranks only would hang). Policies (``GradPolicy``, ``MetricPolicy``,
+``StatePolicy``) are *not* part of the runtime: each operation takes them from the Strategy it
+was called with.
+
+**Set-up** happens on the first operation, not at import: ``init_process_group`` with the
+strategy's timeout (unless the process already has a default group: torchrun-started user code,
+Lightning, ``idist.Parallel``), then ``init_device_mesh`` with the topology's axis names, so the
+group of every axis is the one DeviceMesh builds. World size 1 makes no process group at all:
+every collective is the identity, and callers have no special cases.
+
+**Teardown** (when the last session holding the runtime closes) destroys the mesh sub-groups this
+runtime made, and the default group only if polyparallel created it and no other runtime of the
+process still uses it (a process-wide count); a default group someone else created is never
+destroyed, nor ``dist.group.WORLD`` through a mesh dimension that aliases it.
+
+**Identity checks.** Every polyparallel operation (``sync_grads`` on a bare module, ``sync_states``,
+``reduce_metrics``, the parameter broadcast of ``wrap_model``, a pipeline step, and any direct
+:meth:`TorchRuntime.all_reduce` / :meth:`~TorchRuntime.broadcast` /
+:meth:`~TorchRuntime.all_gather_object` call) first runs :meth:`TorchRuntime.check`: one int64
+all-reduce of ``[h, -h]`` with MAX over the operation's group, where ``h`` is a 62-bit blake2b
+hash of (operation, axis, per-axis sequence number, shapes and dtypes). All ranks agree iff
+``max(h) == min(h)``; otherwise every rank of the group gathers the descriptors and raises
+:class:`polyparallel.CollectiveError` naming both sides ("sync_states #3 on rank 0 vs sync_grads
+#3 on rank 1 over the 'data' axis"), before any payload collective could mix a running mean with
+a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
+sends nothing): the ranks then pair one operation apart, and the first pairing of two different
+operations (or shapes) is reported; if the ops are all alike, the last one times out. Making the
+runtime is checked too, over the default group: ranks that made it with another topology,
+backend or timeout fail at once naming both. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` (read when the
+runtime is made; it must be alike on every rank, which that first check verifies) skips the check
+of ``sync_grads``, the one operation on the hot path.
+
+**Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any
+:class:`~polyparallel.CollectiveError`, a late peer may still be inside a collective of these
+groups and would pair with the next one: the runtime is marked broken (:attr:`TorchRuntime.broken`)
+and refuses every later collective with an error saying why and to restart the processes. Closing
+a broken runtime destroys no process group (a peer may still wait in it, and gloo can abort the
+process when a group is torn down under a pending operation); it only drops references.
+
+**What is bounded.** Every collective run through this module is bounded by the strategy's
+timeout and turned into a ``CollectiveError``/``CollectiveTimeout`` naming operation, axis and
+rank. Collectives run by torch itself over these groups (DDP's reducer during ``backward()``,
+DTensor's redistributions, pipelining's send/recv inside a schedule step) carry the same group
+timeout, but their failures are torch's own errors unless they happen inside a runtime call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,49 +64,106 @@ import torch.distributed as dist
 
 import polyparallel as pp
 
-__all__ = ["TorchRuntime", "get_runtime", "default_device"]
+__all__ = ["TorchRuntime", "default_device", "get_runtime", "runtime_key"]
 
 _STASH_KEY = "polyparallel_torch.runtime"
+
+# The default process group, when polyparallel created it, and how many open runtimes use it:
+# it is destroyed only when the last of them closes, and only if no runtime of this process broke
+# (destroying the default group destroys every group, a broken one included).
+_WORLD: dict[str, Any] = {"group": None, "users": 0, "broken": False}
 
 
 def default_device() -> torch.device:
     """The device this process computes on: its local CUDA device if there is one, else CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
 
 
-class TorchRuntime:
-    """The torch.distributed state of one strategy in one process.
+def _hash62(text: str) -> int:
+    # Deterministic across processes (Python's hash() is salted per process); 62 bits so that both
+    # h and -h fit an int64.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
+
+def _resolved_backend(strategy: pp.Strategy, device: torch.device) -> str:
+    return strategy.backend or ("nccl" if device.type == "cuda" else "gloo")
+
+
+def runtime_key(session: pp.Session) -> tuple[Any, ...]:
+    """What defines a runtime's process groups: (``"torch"``, resolved topology, backend, timeout)."""
+    strategy = session.strategy
+    return ("torch", session.topology, _resolved_backend(strategy, default_device()), float(strategy.timeout))
+
+
+class TorchRuntime:
+    """The torch.distributed state of one group definition in one process, shared by sessions.
+
+    :ivar session: the session that created it (the runtime outlives it while others hold it).
     :ivar mesh: the ``DeviceMesh`` (``None`` at world size 1), dims named like the topology axes.
     :ivar device: the device tensors of this rank live on.
+    :ivar broken: why the runtime refuses collectives, or ``None`` while it is usable.
     """
 
     def __init__(self, session: pp.Session):
         self.session = session
-        self.strategy = session.strategy
         self.topology = session.topology
+        self.coords = dict(session.coords)
         self.rank = session.rank
         self.world_size = session.world_size
         self.device = default_device()
-        self.timeout = datetime.timedelta(seconds=self.strategy.timeout)
+        self.timeout_s = float(session.strategy.timeout)
+        # POLYPARALLEL_CHECK_SYNC_GRADS=0 skips the identity check of sync_grads (one small
+        # all-reduce per call; see README). Every rank must agree: checked when the groups are made.
+        self.check_sync_grads = os.environ.get("POLYPARALLEL_CHECK_SYNC_GRADS", "1").strip() != "0"
+        self.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self.backend = _resolved_backend(session.strategy, self.device)
         self.mesh: Any = None
-        self.owns_default_group = False
-        self.backend = self.strategy.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.broken: str | None = None
+        self.closed = False
+        self._uses_world = False
+        self._seq: dict[str, int] = {}  # per-axis sequence number of checked operations
+        self._covered: dict[str, str] = {}  # axis -> the open operation whose check covers it
+        self._at_close: list[Callable[[], None]] = []
         if self.world_size > 1:
-            self._init_groups()
+            try:
+                self._init_groups()
+            except BaseException as exc:
+                # Groups may be half made and peers may still be making them: drop, never destroy.
+                self.mark_broken(f"making the process groups failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+                self.close()
+                raise
 
     # -- setup / teardown ---------------------------------------------------------------------------
+    def _check_backend(self) -> None:
+        # Before any process group: a backend torch cannot run otherwise fails inside c10d, late
+        # and obscurely (or, for nccl without a GPU, only at the first collective).
+        available = [b for b in ("gloo", "nccl", "ucc", "mpi", "xccl") if dist.is_backend_available(b)]
+        if self.backend not in available:
+            raise pp.TopologyError(
+                f"Strategy(backend={self.backend!r}): this torch build cannot run the {self.backend!r} process-group "
+                f"backend; available here: {', '.join(available) or 'none'}. Use one of them, or backend=None "
+                "(nccl on CUDA, else gloo)."
+            )
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise pp.TopologyError(
+                "Strategy(backend='nccl') needs CUDA devices, and this process sees none; use backend='gloo' "
+                "(or backend=None, which picks gloo on CPU)."
+            )
+
     def _init_groups(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        self._check_backend()
         if dist.is_initialized():
             if dist.get_world_size() != self.world_size:
                 raise pp.TopologyError(
                     f"torch.distributed is initialised with world size {dist.get_world_size()}, but this "
                     f"process was launched as rank {self.rank} of {self.world_size}."
                 )
+            if _WORLD["group"] is not dist.group.WORLD:  # someone else's (or ours, re-made by them)
+                _WORLD["group"] = None
         else:
             if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
                 raise pp.TopologyError(
@@ -72,27 +173,78 @@ class TorchRuntime:
             with self.collective("init_process_group", "world"):
                 dist.init_process_group(self.backend, rank=self.rank, world_size=self.world_size,
                                         timeout=self.timeout)
-            self.owns_default_group = True
+            _WORLD["group"] = dist.group.WORLD
+        _WORLD["users"] += 1
+        self._uses_world = True
         # Sub-groups made by new_group() default to a 30-minute timeout, not the world's: pass ours.
         options = _backend_options(self.backend, self.timeout)
-        override = {axis: (self.backend, options) for axis in self.topology.axis_names} if options is not None else None
-        self.mesh = init_device_mesh(
-            self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
-            **({"backend_override": override} if override else {}),
-        )
+        override: Any = {axis: (self.backend, options) for axis in self.topology.axis_names} if options is not None else None
+        with self.collective("init_device_mesh", "world"):
+            self.mesh = init_device_mesh(
+                self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
+                **({"backend_override": override} if override else {}),
+            )
+        # Every rank made the same runtime (a rank that made it with another timeout or topology, or
+        # with the sync_grads check switched otherwise, would pair its collectives wrongly).
+        self.check("start the torch runtime", "world",
+                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s, "
+                   f"sync_grads check {'on' if self.check_sync_grads else 'off (POLYPARALLEL_CHECK_SYNC_GRADS=0)'}")
+
+    @property
+    def owns_default_group(self) -> bool:
+        """Whether polyparallel created the default process group this runtime uses."""
+        return self._uses_world and _WORLD["group"] is not None and _WORLD["group"] is dist.group.WORLD
+
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the runtime closes (before its groups go)."""
+        self._at_close.append(fn)
 
     def close(self) -> None:
-        """Destroy the groups this runtime made (the default group only if it made it)."""
-        self.mesh = None
-        if self.owns_default_group and dist.is_initialized():
+        """Release the groups (called when the last session holding the runtime closes).
+
+        A usable runtime destroys the mesh sub-groups it made, then the default group if
+        polyparallel created it and no other runtime uses it. A broken runtime destroys nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        while self._at_close:
+            self._at_close.pop()()
+        mesh, self.mesh = self.mesh, None
+        if not self._uses_world:
+            return
+        self._uses_world = False
+        _WORLD["users"] -= 1
+        if self.broken is not None or _WORLD["broken"]:
+            _WORLD["broken"] = True
+            return
+        if mesh is not None and dist.is_initialized():
+            world = dist.group.WORLD
+            destroyed: set[int] = set()
+            for axis in self.topology.axis_names:
+                group = mesh.get_group(axis)
+                if group is None or group is world or id(group) in destroyed:
+                    continue
+                destroyed.add(id(group))
+                dist.destroy_process_group(group)
+        if _WORLD["users"] == 0 and _WORLD["group"] is not None and dist.is_initialized() \
+                and _WORLD["group"] is dist.group.WORLD:
             dist.destroy_process_group()
-            self.owns_default_group = False
+            _WORLD["group"] = None
+
+    def mark_broken(self, reason: str) -> None:
+        """Refuse every later collective of this runtime (the first reason is kept)."""
+        if self.broken is None:
+            self.broken = reason
 
     # -- groups ---------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``None`` when the axis has size 1 or
-        the world is one process)."""
-        if self.mesh is None or self.topology.size(axis) == 1:
+        the world is one process; the default group for ``"world"``)."""
+        if self.mesh is None:
+            return None
+        if axis == "world":  # identity checks of the runtime itself
+            return dist.group.WORLD
+        if self.topology.size(axis) == 1:
             return None
         return self.mesh.get_group(axis)
 
@@ -101,87 +253,207 @@ class TorchRuntime:
         return None if self.mesh is None else self.mesh[axis]
 
     def group_ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``."""
-        return self.session.group_ranks(axis)
+        """Global ranks of this rank's group along ``axis`` (every rank for ``"world"``)."""
+        if axis not in self.topology.axis_names:
+            return list(range(self.world_size))
+        return self.topology.group_of(self.rank, axis)
 
     def axis_size(self, axis: str) -> int:
+        """Size of ``axis``."""
         return self.topology.size(axis)
+
+    # -- usability ------------------------------------------------------------------------------------
+    def ensure_usable(self, operation: str, axis: str) -> None:
+        """Raise :class:`polyparallel.CollectiveError` if the runtime is broken or closed."""
+        if self.broken is not None:
+            raise pp.CollectiveError(
+                f"{operation} over the {axis!r} axis refused on rank {self.rank}: this process's torch runtime "
+                f"is broken since an earlier collective failed ({self.broken}). A peer may still be inside that "
+                "collective and would pair with the next one, mixing values of different operations. Restart the "
+                "processes (polyparallel.launch / `polyparallel launch` start them afresh); a runtime cannot be "
+                "repaired in place.",
+                operation=operation, axis=axis, rank=self.rank,
+            )
+        if self.closed:
+            raise pp.CollectiveError(
+                f"{operation} over the {axis!r} axis refused on rank {self.rank}: the torch runtime was closed "
+                "(every session that used it was closed). Use a model wrapped by an open session's strategy.",
+                operation=operation, axis=axis, rank=self.rank,
+            )
 
     # -- bounded collectives ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def collective(self, operation: str, axis: str) -> Iterator[None]:
-        """Turn any failure of the collectives inside into a :class:`polyparallel.CollectiveError`
-        (or :class:`~polyparallel.CollectiveTimeout`) naming the operation, the axis and the rank."""
+    def collective(self, operation: str, axis: str, label: str | None = None) -> Iterator[None]:
+        """Refuse to start on a broken runtime; turn any failure of the collectives inside into a
+        :class:`polyparallel.CollectiveError` (or :class:`~polyparallel.CollectiveTimeout`) naming
+        the operation (as ``label`` in the message, e.g. with its sequence number), the axis and
+        the rank, and mark the runtime broken."""
+        self.ensure_usable(operation, axis)
         try:
             yield
+        except pp.CollectiveError as exc:
+            self.mark_broken(str(exc).splitlines()[0])
+            raise
         except pp.PolyparallelError:
             raise
         except RuntimeError as exc:  # gloo/nccl raise RuntimeError/DistBackendError with backend text
             text = str(exc)
             timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-            peers = self.group_ranks(axis) if axis in self.topology.axis_names else list(range(self.world_size))
             kind = pp.CollectiveTimeout if timed_out else pp.CollectiveError
-            what = (f"did not complete within the strategy's timeout of {self.strategy.timeout:g} s"
+            what = (f"did not complete within the strategy's timeout of {self.timeout_s:g} s"
                     if timed_out else "failed")
-            raise kind(
-                f"{operation} over the {axis!r} axis {what} on rank {self.rank} (group ranks {peers}): "
-                f"a peer did not join or has exited. Every rank of the group must call {operation}. "
-                f"Backend said: {text.splitlines()[0] if text else type(exc).__name__}",
+            error = kind(
+                f"{label or operation} over the {axis!r} axis {what} on rank {self.rank} (group ranks "
+                f"{self.group_ranks(axis)}): a peer did not join or has exited. Every rank of the group must call "
+                f"{operation}. Backend said: {text.splitlines()[0] if text else type(exc).__name__}",
                 operation=operation, axis=axis, rank=self.rank,
-            ) from exc
+            )
+            self.mark_broken(str(error))
+            raise error from exc
 
-    def wait(self, work: Any, operation: str, axis: str) -> None:
+    def wait(self, work: Any, operation: str, axis: str, label: str | None = None) -> None:
         """Wait for an async collective no longer than the strategy's timeout."""
         if work is None:
             return
-        with self.collective(operation, axis):
+        with self.collective(operation, axis, label):
             if not work.wait(self.timeout):
                 raise pp.CollectiveTimeout(
-                    f"{operation} over the {axis!r} axis did not complete within the strategy's timeout of "
-                    f"{self.strategy.timeout:g} s on rank {self.rank} (group ranks {self.group_ranks(axis)}).",
+                    f"{label or operation} over the {axis!r} axis did not complete within the strategy's timeout of "
+                    f"{self.timeout_s:g} s on rank {self.rank} (group ranks {self.group_ranks(axis)}).",
                     operation=operation, axis=axis, rank=self.rank,
                 )
 
+    # -- identity checks ---------------------------------------------------------------------------------
+    def check(self, operation: str, axis: str, detail: str = "", refusal: str | None = None) -> str:
+        """Check that every rank of ``axis``'s group is at the same operation, raising
+        :class:`polyparallel.CollectiveError` on every rank of the group (naming both sides) if not.
+
+        :param detail: what must match besides the name: shapes, dtypes, names (rank-independent).
+        :param refusal: this rank cannot run the operation (an input error it found): the peers
+            learn it through the check instead of waiting for a collective that never comes; the
+            local rank then raises ``TypeError(refusal)``.
+        :return: the operation's label in errors, ``"<operation> #<sequence number>"``.
+        """
+        self.ensure_usable(operation, axis)
+        group = self.group(axis)
+        if group is None:
+            if refusal is not None:
+                raise TypeError(refusal)
+            return operation
+        seq = self._seq[axis] = self._seq.get(axis, 0) + 1
+        h = _hash62(f"{operation}\0{axis}\0{seq}\0{detail}\0{refusal or ''}")
+        buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
+        name = f"{operation} #{seq}"
+        self._all_reduce(buf, "max", operation, axis, group, name)
+        high, neg_low = buf.tolist()
+        if high == -neg_low:
+            if refusal is not None:
+                raise TypeError(refusal)
+            return name
+        # Every rank of the group saw the mismatch: all of them gather the descriptors.
+        out: list[Any] = [None] * len(self.group_ranks(axis))
+        with self.collective(operation, axis, f"{name} (identity check)"):
+            dist.all_gather_object(out, (self.rank, operation, seq, detail, refusal), group=group)
+        message = _mismatch_message((self.rank, operation, seq, detail, refusal), out, axis, self.group_ranks(axis))
+        self.mark_broken(message.splitlines()[0])
+        if refusal is not None:
+            raise TypeError(f"{refusal}\n{message}")
+        raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
+
+    @contextlib.contextmanager
+    def operation(self, name: str, axis: str, detail: str = "", check: bool = True) -> Iterator[None]:
+        """One polyparallel operation over ``axis``: :meth:`check` once (unless ``check`` is
+        false), then the collectives of the body over that axis skip their own checks."""
+        label = self.check(name, axis, detail) if check else name
+        previous = self._covered.get(axis)
+        self._covered[axis] = label
+        try:
+            yield
+        finally:
+            if previous is None:
+                self._covered.pop(axis, None)
+            else:
+                self._covered[axis] = previous
+
+    def _checked(self, operation: str, axis: str, detail: str) -> str:
+        covered = self._covered.get(axis)
+        return covered if covered is not None else self.check(operation, axis, detail)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, operation: str, axis: str, group: Any,
+                    label: str | None = None) -> None:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+                     "avg": dist.ReduceOp.SUM}[op]
+        with self.collective(operation, axis, label):
+            work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+        self.wait(work, operation, axis, label)
+
+    # -- collectives -------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str, operation: str, axis: str) -> torch.Tensor:
         """In-place all-reduce over ``axis`` (``sum``, ``avg``, ``max``, ``min``); identity when the
-        axis has size 1."""
+        axis has size 1. Checked (:meth:`check`) unless inside an :meth:`operation` on ``axis``."""
+        self.ensure_usable(operation, axis)
         group = self.group(axis)
         if group is None:
             return tensor
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-                     "avg": dist.ReduceOp.SUM}[op]
-        with self.collective(operation, axis):
-            work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
-        self.wait(work, operation, axis)
+        label = self._checked(operation, axis, f"all_reduce {op} {tensor.dtype} {list(tensor.shape)}")
+        self._all_reduce(tensor, op, operation, axis, group, label)
         if op == "avg":
             tensor.div_(self.topology.size(axis))
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, operation: str, axis: str, src_coord: int = 0) -> torch.Tensor:
-        """In-place broadcast from the rank at coordinate ``src_coord`` of ``axis``."""
+        """In-place broadcast from the rank at coordinate ``src_coord`` of ``axis`` (checked like
+        :meth:`all_reduce`)."""
+        self.ensure_usable(operation, axis)
         group = self.group(axis)
         if group is None:
             return tensor
+        label = self._checked(operation, axis, f"broadcast from {src_coord} {tensor.dtype} {list(tensor.shape)}")
         src = self.group_ranks(axis)[src_coord]
-        with self.collective(operation, axis):
+        with self.collective(operation, axis, label):
             work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-        self.wait(work, operation, axis)
+        self.wait(work, operation, axis, label)
         return tensor
 
     def all_gather_object(self, obj: Any, operation: str, axis: str) -> list[Any]:
-        """Gather a picklable object from every rank of ``axis`` (bounded by the group timeout)."""
+        """Gather a picklable object from every rank of ``axis`` (bounded by the group timeout,
+        checked like :meth:`all_reduce`)."""
+        self.ensure_usable(operation, axis)
         group = self.group(axis)
         if group is None:
             return [obj]
+        label = self._checked(operation, axis, "all_gather_object")
         out: list[Any] = [None] * self.topology.size(axis)
-        with self.collective(operation, axis):
+        with self.collective(operation, axis, label):
             dist.all_gather_object(out, obj, group=group)
         return out
 
 
+def _mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ranks: list[int]) -> str:
+    def side(d: tuple[Any, ...], with_detail: bool) -> str:
+        text = f"{d[1]} #{d[2]}"
+        if d[4] is not None:
+            return f"{text} (refused: {d[4]})"
+        return f"{text} ({d[3]})" if with_detail and d[3] else text
+
+    other = next((d for d in everyone if d[1:] != mine[1:]), everyone[0])
+    detail = mine[1:3] == other[1:3]  # same operation and number: the shapes are what differs
+    lines = [
+        (f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
+         f"{mine[0]} vs {side(other, detail)} on rank {other[0]}."),
+        ("Every rank of a group must call the same polyparallel operations in the same order, with the same "
+         "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
+         "Each rank of the group called:"),
+        *(f"  rank {d[0]}: {side(d, True)}" for d in everyone),
+        ("The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
+         "processes."),
+    ]
+    return "\n".join(lines)
+
+
 def _backend_options(backend: str, timeout: datetime.timedelta) -> Any:
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:
@@ -191,14 +463,11 @@ def _backend_options(backend: str, timeout: datetime.timedelta) -> Any:
 
 
 def get_runtime(session: pp.Session) -> TorchRuntime:
-    """The session's :class:`TorchRuntime`, created (groups and all) on first use."""
+    """The :class:`TorchRuntime` of ``session``'s group definition, shared with every other
+    session of this process that has the same one (:func:`runtime_key`); created, groups and all,
+    on first use, closed when the last session holding it closes."""
     existing = session.peek(_STASH_KEY)
     if existing is not None:
         return existing
-
-    def make() -> TorchRuntime:
-        rt = TorchRuntime(session)
-        session.add_finalizer(rt.close)
-        return rt
-
-    return session.stash(_STASH_KEY, make)
+    rt = session.acquire(runtime_key(session), lambda: TorchRuntime(session), TorchRuntime.close)
+    return session.stash(_STASH_KEY, lambda: rt)

@@ -1,7 +1,14 @@
-"""``sync_states`` for torch: per-state ``mean`` / ``broadcast`` / ``local`` over the data axis."""
+"""``sync_states`` for torch: per-state ``mean`` / ``broadcast`` / ``local`` over the data axis.
+
+The actions come from the ``StatePolicy`` of the Strategy the call was made with. The states are
+packed into flat buckets per action and dtype, after one identity check whose descriptor holds
+every state's action, dtype and shape, so ranks at different operations (or with different
+states) raise an error naming both sides instead of averaging unrelated tensors.
+"""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,11 +16,15 @@ import torch
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+import polyparallel as pp
+
 from .grads import buckets
 from .model import unwrap
 from .runtime import TorchRuntime
 
-__all__ = ["sync", "named_states", "apply_in_buckets"]
+__all__ = ["sync", "named_states", "apply_in_buckets", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def named_states(states: Any) -> list[tuple[str, torch.Tensor]]:
@@ -24,14 +35,16 @@ def named_states(states: Any) -> list[tuple[str, torch.Tensor]]:
     return [(k, v) for k, v in states.items() if isinstance(v, torch.Tensor)]
 
 
-def sync(states: Any, rt: TorchRuntime) -> Any:
-    """Apply the strategy's :class:`~polyparallel.StatePolicy` to ``states`` in place."""
+def sync(states: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
+    """Apply ``strategy.state_policy`` to ``states`` in place."""
     if not isinstance(states, (nn.Module, Mapping)):
         return None
+    rt.ensure_usable("sync_states", "data")
     if rt.topology.size("data") == 1:
         return states
-    policy = rt.strategy.state_policy
+    policy = strategy.state_policy
     groups: dict[str, list[torch.Tensor]] = {"mean": [], "broadcast": []}
+    described: list[str] = []
     for name, tensor in named_states(states):
         action = policy.action_for(name)
         if action == "local":
@@ -40,16 +53,24 @@ def sync(states: Any, rt: TorchRuntime) -> Any:
         if action == "mean" and not local.is_floating_point():
             continue  # an integer counter cannot be averaged; leave it alone
         groups[action].append(local.data)
-    for action, tensors in groups.items():
-        apply_in_buckets(tensors, action, rt, "sync_states")
+        described.append(f"{name}:{action}:{local.dtype}{list(local.shape)}")
+    shown = ", ".join(described[:4]) + (", ..." if len(described) > 4 else "")
+    digest = hashlib.blake2b(";".join(described).encode(), digest_size=12).hexdigest()
+    detail = f"{len(described)} states [{shown}] digest {digest}"
+    bucket_bytes = strategy.grad_policy.bucket_bytes()
+    with rt.operation("sync_states", "data", detail):
+        for action, tensors in groups.items():
+            apply_in_buckets(tensors, action, rt, "sync_states", bucket_bytes)
     return states
 
 
-def apply_in_buckets(tensors: list[torch.Tensor], action: str, rt: TorchRuntime, operation: str) -> None:
+def apply_in_buckets(tensors: list[torch.Tensor], action: str, rt: TorchRuntime, operation: str,
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """``mean`` (average) or ``broadcast`` (from data rank 0) ``tensors`` over the data group in
-    place, packed into flat buckets of one dtype (in a deterministic order on every rank)."""
+    place, packed into flat buckets of one dtype (in a deterministic order on every rank). The
+    caller runs it inside ``rt.operation(...)`` (one identity check for all buckets)."""
     with torch.no_grad():
-        for bucket in buckets(tensors, rt.strategy.grad_policy.bucket_bytes()):
+        for bucket in buckets(tensors, bucket_bytes):
             flat = _flatten_dense_tensors(bucket)
             if action == "mean":
                 rt.all_reduce(flat, "avg", operation, "data")

@@ -90,7 +90,9 @@ def test_reduce_metrics_count_weighted_with_ops(run):
         assert got["plain"] == 0.5 and got["worst"] == 11.0 and got["best"] == 10.0 and got["samples"] == 8.0
         assert got["vector"].tolist() == [1.5, 3.0]
         assert math.isnan(got["empty_shard"])
-        assert "rank 0 reduces" in mismatch and "rank 1" in mismatch
+        # both sides named, on every rank: the first reduction was #1 of the data axis
+        assert "reduce_metrics #2 (loss:mean[1]) on rank 0" in mismatch, mismatch
+        assert "reduce_metrics #2 (accuracy:mean[1]) on rank 1" in mismatch, mismatch
 
 
 def _states_worker():
