@@ -91,10 +91,17 @@ class GradPolicy:
     :param bucket_mb: size of the flat buffers gradients are packed into (one collective each);
         ``None`` (the default) leaves it to the runtime: DDP's own buckets (a small first bucket
         that starts communicating early in backward, then 25 MB), 25 MB flat buffers elsewhere.
+    :param check: check before every ``sync_grads`` that all ranks of the data group are at the
+        same call with the same gradient layout (one 16-byte all-reduce a call), so a rank that
+        skipped a ``sync_grads`` or runs another operation fails at once naming both sides.
+        ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
+        checked operation (``reduce_metrics``, ``sync_states``) or by the timeout. Every other
+        operation is always checked. Like every field, it must be the same on every rank.
     """
 
     op: str = "mean"
     bucket_mb: float | None = None
+    check: bool = True
 
     def __post_init__(self) -> None:
         _choice("GradPolicy.op", self.op, ("mean", "sum"))
@@ -104,6 +111,8 @@ class GradPolicy:
                              f"({type(mb).__name__}).")
         if mb is not None and not 0 < mb < math.inf:
             raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {mb!r}.")
+        if not isinstance(self.check, bool):
+            raise ValueError(f"GradPolicy.check must be True or False. Received: {self.check!r}.")
 
     def bucket_bytes(self, default_mb: float = 25.0) -> int:
         """The bucket size in bytes (``default_mb`` when :attr:`bucket_mb` is ``None``)."""

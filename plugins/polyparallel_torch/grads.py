@@ -23,8 +23,7 @@ wrap) is reduced here, with DDP's semantics for parameters without a gradient:
   place. A tensor as large as a bucket is reduced in place, uncopied.
 - Before any payload, one identity check (:meth:`TorchRuntime.check`, one 16-byte all-reduce)
   makes sure every rank of the data group is at the same ``sync_grads`` with the same layout and
-  op; otherwise every rank raises naming both sides. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` skips
-  it (see :mod:`polyparallel_torch.runtime`).
+  op; otherwise every rank raises naming both sides. ``GradPolicy(check=False)`` skips it.
 
 A list of gradient tensors is packed per call; it cannot say which parameter a missing gradient
 belongs to, so a ``None`` in it is refused (pass the module instead); the peers learn of the
@@ -119,11 +118,11 @@ class _Layout:
         total = sum(t.numel() for t in locals_)
         self.summary = f"{len(params)} gradients ({total:,} elements) in {len(self.buckets)} bucket(s)"
 
-    def sync(self, rt: TorchRuntime, op: str) -> None:
+    def sync(self, rt: TorchRuntime, op: str, check: bool = True) -> None:
         grads = [p.grad for p in self.params]
         all_present = all(g is not None for g in grads)
         detail = f"{self.summary}, op {op}, layout {self.digest}"
-        with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
+        with rt.operation(OPERATION, "data", detail, check=check):
             if not self.buckets:
                 return
             present: list[bool] | None = None
@@ -279,15 +278,15 @@ def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
     op = "avg" if policy.op == "mean" else "sum"
     bucket_bytes = policy.bucket_bytes()
     if isinstance(target, nn.Module):
-        _layout_of(target, bucket_bytes, rt).sync(rt, op)
+        _layout_of(target, bucket_bytes, rt).sync(rt, op, policy.check)
         return target
     grads = [_local(g) for g in target if g is not None]
     detail = ", ".join(f"{g.dtype}{list(g.shape)}" for g in grads) + f"; op {op}"
     if refusal is not None:  # raises on every rank of the group (the peers learn why)
-        if not rt.check_sync_grads:  # no check to tell them: they will time out in the payload
+        if not policy.check:  # no check to tell them: they will time out in the payload
             raise TypeError(refusal)
         rt.check(OPERATION, "data", detail, refusal=refusal)
-    with rt.operation(OPERATION, "data", detail, check=rt.check_sync_grads):
+    with rt.operation(OPERATION, "data", detail, check=policy.check):
         for bucket in buckets(grads, bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             rt.all_reduce(flat, op, OPERATION, "data")

@@ -32,9 +32,8 @@ a gradient. The check cannot see a skipped operation at the moment it is skipped
 sends nothing): the ranks then pair one operation apart, and the first pairing of two different
 operations (or shapes) is reported; if the ops are all alike, the last one times out. Making the
 runtime is checked too, over the default group: ranks that made it with another topology,
-backend or timeout fail at once naming both. ``POLYPARALLEL_CHECK_SYNC_GRADS=0`` (read when the
-runtime is made; it must be alike on every rank, which that first check verifies) skips the check
-of ``sync_grads``, the one operation on the hot path.
+backend or timeout fail at once naming both. ``GradPolicy(check=False)`` skips the check of
+``sync_grads``, the one operation on the hot path.
 
 **Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any
 :class:`~polyparallel.CollectiveError`, a late peer may still be inside a collective of these
@@ -114,9 +113,6 @@ class TorchRuntime:
         self.world_size = session.world_size
         self.device = default_device()
         self.timeout_s = float(session.strategy.timeout)
-        # POLYPARALLEL_CHECK_SYNC_GRADS=0 skips the identity check of sync_grads (one small
-        # all-reduce per call; see README). Every rank must agree: checked when the groups are made.
-        self.check_sync_grads = os.environ.get("POLYPARALLEL_CHECK_SYNC_GRADS", "1").strip() != "0"
         self.timeout = datetime.timedelta(seconds=self.timeout_s)
         self.backend = _resolved_backend(session.strategy, self.device)
         self.mesh: Any = None
@@ -184,11 +180,10 @@ class TorchRuntime:
                 self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
                 **({"backend_override": override} if override else {}),
             )
-        # Every rank made the same runtime (a rank that made it with another timeout or topology, or
-        # with the sync_grads check switched otherwise, would pair its collectives wrongly).
+        # Every rank made the same runtime (a rank that made it with another timeout or topology
+        # would pair its collectives wrongly).
         self.check("start the torch runtime", "world",
-                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s, "
-                   f"sync_grads check {'on' if self.check_sync_grads else 'off (POLYPARALLEL_CHECK_SYNC_GRADS=0)'}")
+                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s")
 
     @property
     def owns_default_group(self) -> bool:
