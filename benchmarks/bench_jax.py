@@ -27,7 +27,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 import polyparallel as pp  # noqa: E402
 import polyparallel_jax.plugin  # noqa: E402

@@ -258,7 +258,7 @@ def main() -> None:
         figures[f"sync_grads {label}"] = t
         rows.append((f"sync_grads, {label}", f"{mb / t['ours']:.0f} MiB/s vs flat {mb / t['flat']:.0f} MiB/s",
                      f"{t['flat'] / t['ours']:.2f}x flat, {t['per_param'] / t['ours']:.2f}x per-param"))
-        rows.append((f"  same, fresh .grad tensors each step", f"{mb / t['ours_fresh']:.0f} MiB/s",
+        rows.append(("  same, fresh .grad tensors each step", f"{mb / t['ours_fresh']:.0f} MiB/s",
                      f"{t['flat'] / t['ours_fresh']:.2f}x flat, {t['per_param'] / t['ours_fresh']:.2f}x per-param"))
     steps = pp.launch(_train_step_worker, strategy, 2, args=(args.quick,), timeout=900)
     native, ours = statistics.mean(s["native"] for s in steps), statistics.mean(s["ours"] for s in steps)

@@ -17,8 +17,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
-from polyparallel_torch.testing import (LR, fill_states, ghost_batch_reference, local_states, reference_dataset,
-                                        reference_model, reference_plan, stage_params)
+from polyparallel_torch.testing import (
+    LR,
+    fill_states,
+    ghost_batch_reference,
+    local_states,
+    reference_dataset,
+    reference_model,
+    reference_plan,
+    stage_params,
+)
 
 __all__ = ["IgniteDriver", "float64_defaults", "ignite_metrics", "reference_metrics"]
 
@@ -62,7 +70,6 @@ def _options(strategy: pp.Strategy) -> dict[str, Any]:
 
 def _inner(model: nn.Module) -> nn.Module:
     from polyparallel_torch.model import unwrap
-
     from polyparallel_torch.pipeline import PipelineModel
 
     return model.stage if isinstance(model, PipelineModel) else unwrap(model)

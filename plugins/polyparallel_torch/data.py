@@ -6,8 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import (DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler,
-                              SequentialSampler)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler, SequentialSampler
 
 import polyparallel as pp
 

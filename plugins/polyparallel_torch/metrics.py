@@ -58,7 +58,7 @@ def reduce(metrics: dict[str, Any], rt: TorchRuntime, policy: pp.MetricPolicy) -
 
 def _reduce(layout: list[tuple[str, str, int, Any]], rt: TorchRuntime, data_size: int) -> dict[str, Any]:
     by_op: dict[str, list[torch.Tensor]] = {"sum": [], "max": [], "min": []}
-    for name, op, _, value in layout:
+    for _name, op, _, value in layout:
         if op == "weighted":
             by_op["sum"].append(torch.tensor([float(value.total), float(value.count)], dtype=torch.float64))
         else:

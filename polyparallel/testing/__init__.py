@@ -16,10 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._checks import (NotApplicable, check_fails_fast, check_metrics, check_replicas, check_shards, check_shuffling,
-                      check_states, check_training, check_unsupported, waiting_ranks)
-from ._kit import (ConformanceDriver, PerRank, bind_plugin_manager, reference_data, run_contract,
-                   run_skipped_collective)
+from ._checks import (
+    NotApplicable,
+    check_fails_fast,
+    check_metrics,
+    check_replicas,
+    check_shards,
+    check_shuffling,
+    check_states,
+    check_training,
+    check_unsupported,
+    waiting_ranks,
+)
+from ._kit import ConformanceDriver, PerRank, bind_plugin_manager, reference_data, run_contract, run_skipped_collective
 
 __all__ = ["ConformanceDriver", "ConformanceSuite", "NotApplicable", "PerRank", "bind_plugin_manager",
            "check_fails_fast", "check_metrics", "check_replicas", "check_shards", "check_shuffling", "check_states",

@@ -74,7 +74,7 @@ def test_nothing_is_loaded_before_first_use(fake_install):
     pm.set_blocked("unwanted")
     assert pm.is_blocked("unwanted")
     assert (fake_install.scans, ep.loads) == (0, 0)
-    pm.hook  # first use
+    _ = pm.hook  # first use
     assert (fake_install.scans, ep.loads) == (1, 1)
     assert strategy(pm).shard_data(Tagged("alpha")) == "sharded by alpha"
 
@@ -91,7 +91,7 @@ def test_loading_is_idempotent(fake_install):
     ep = fake_install.add("alpha", Owner("alpha"))
     pm = pp.PluginManager()
     for _ in range(3):
-        pm.hook
+        _ = pm.hook
         pm.load()
         pm.plugins()
         pm.adapters()
@@ -132,7 +132,7 @@ def test_a_plugin_using_the_manager_while_it_is_imported(fake_install):
     pm = pp.PluginManager()
 
     def reentrant_import():
-        pm.hook.polyparallel_shard_data  # must not recurse into a second load
+        _ = pm.hook.polyparallel_shard_data  # must not recurse into a second load
         return Owner("alpha")
     ep = fake_install.add("alpha", None)
     ep._load = reentrant_import

@@ -21,7 +21,6 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 import polyparallel as pp  # noqa: E402
-
 import polyparallel_jax.plugin  # noqa: E402
 
 if jax.device_count() < 8:  # jax was imported before this conftest (another test folder)

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import numpy as np
-import polyparallel_jax.plugin
 import pytest
 
 import polyparallel as pp
+import polyparallel_jax.plugin
 
 
 def test_importing_the_plugin_imports_no_jax():
@@ -47,6 +47,7 @@ def test_plain_metrics_of_a_jax_strategy_reduce_on_jax():
 
 def test_the_jax_hooks_answer_only_on_the_jax_runtime():
     import jax.numpy as jnp
+
     import polyparallel_torch.plugin
 
     pm = pp.PluginManager(autoload=False)

@@ -7,13 +7,13 @@ a process group and fail on that (the bug measured with ``backend="jax"`` strate
 
 from __future__ import annotations
 
-import polyparallel_torch.plugin as torch_plugin
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import polyparallel as pp
+import polyparallel_torch.plugin as torch_plugin
 
 
 class OtherRuntime:
