@@ -15,7 +15,7 @@ WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_pa
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
     # torch first, pinned to the CPU wheel this machine serves locally; later installs of
-    # "torch>=2.4" are then satisfied and download nothing.
+    # "torch>=2.13,<2.14" are then satisfied and download nothing.
     "${PIP[@]}" "torch==2.13.0"
     "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
     echo "$WANT" > "$STAMP"
