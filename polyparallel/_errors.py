@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "PolyparallelError",
     "TopologyError",
@@ -37,7 +39,7 @@ class PluginError(PolyparallelError):
         self.plugin, self.hook, self.error = plugin, hook, error
         super().__init__(f"plugin {plugin!r} failed in {hook}: {type(error).__name__}: {error}")
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross process boundaries (launch); the default would call __init__(message).
         return (type(self), (self.plugin, self.hook, self.error), self.__dict__)
 
@@ -49,7 +51,7 @@ class CollectiveError(PolyparallelError, RuntimeError):
         self.operation, self.axis, self.rank = operation, axis, rank
         super().__init__(message)
 
-    def __reduce__(self):  # type: ignore[override]
+    def __reduce__(self) -> tuple[Any, ...]:
         # The default would call __init__(message) without the keyword-only fields.
         return (_rebuild, (type(self), self.args, {"operation": self.operation, "axis": self.axis, "rank": self.rank}),
                 self.__dict__)

@@ -30,7 +30,7 @@ def _pairs(where: str, value: Any, what: str, example: str) -> tuple[tuple[str, 
     if pairs is None or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
         raise ValueError(f"{where} must be a mapping of {what}, e.g. {example}, or a list of such pairs. "
                          f"Received: {value!r}.")
-    return tuple(pairs)  # type: ignore[arg-type]
+    return tuple(pairs)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

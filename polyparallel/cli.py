@@ -163,7 +163,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
     if not entries:
         raise click.ClickException("no installed plugin registers a demo; install one: pip install 'polyparallel[torch]'")
     try:
-        strategy = Strategy(**sizes, timeout=120.0, seed=0)
+        strategy = Strategy(topology=Topology(**sizes), timeout=120.0, seed=0)
         strategy.topology.resolve(nprocs)
     except PolyparallelError as exc:
         raise click.ClickException(str(exc)) from None

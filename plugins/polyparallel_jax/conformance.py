@@ -143,7 +143,7 @@ class JaxDriver(ConformanceDriver):
         return sorted(_device_ranks(runtime_for(strategy)).values())
 
     # -- the contract ------------------------------------------------------------------------------------
-    def shard_indices(self, strategy: pp.Strategy, epoch: int) -> PerRank:  # type: ignore[override]
+    def shard_indices(self, strategy: pp.Strategy, epoch: int) -> PerRank:
         """The real rows (mask 1) each local device holds over ``epoch``'s batches."""
         runtime = runtime_for(strategy)
         ranks = _device_ranks(runtime)
@@ -196,7 +196,7 @@ class JaxDriver(ConformanceDriver):
         accuracy = float((np.asarray(module(x)).argmax(-1) == y).mean())
         return {"loss": total / count, "accuracy": accuracy, "host_loss": total / count}
 
-    def sync_states(self, strategy: pp.Strategy) -> PerRank:  # type: ignore[override]
+    def sync_states(self, strategy: pp.Strategy) -> PerRank:
         """Per device, inside ``shard_map``: a ``batch_stats`` (mean), an ``rngs`` key (local) and
         a parameter (broadcast), each depending on the device's data coordinate."""
         import jax

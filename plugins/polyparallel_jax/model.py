@@ -41,6 +41,9 @@ __all__ = ["Model"]
 
 DATA = "data"
 
+#: Where a Model's state lives: (strategy or None for one device, its runtime, the wrapped module or None).
+_Placement = tuple[pp.Strategy | None, JaxRuntime, Any]
+
 #: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
 _STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
 
@@ -94,14 +97,14 @@ class Model:
             raise ValueError(f"sync_every must be a positive int. Received: {sync_every!r}.")
         self.sync_every = sync_every
         self.history: dict[str, list[float]] = {}
-        self._placed: tuple[Any, ...] | None = None  # (strategy, runtime, wrapped)
+        self._placed: _Placement | None = None
         self._opt_state: Any = None
         self._local_stats: Any = None  # per-device statistics under the "local" policy
         self._steps: dict[Any, Any] = {}
         self._saved_opt_state: Any = None
 
     # -- placement -----------------------------------------------------------------------------
-    def _place(self, strategy: pp.Strategy | None) -> tuple[Any, JaxRuntime, Any]:
+    def _place(self, strategy: pp.Strategy | None) -> _Placement:
         """Put the module's state on the strategy's mesh (once per strategy)."""
         import jax
 
@@ -128,6 +131,13 @@ class Model:
         self._opt_state, self._steps = None, {}
         return self._placed
 
+    @property
+    def _placement(self) -> _Placement:
+        """The current placement: steps, data and optimizer state are built only after ``_place``
+        (every public entry point calls it first)."""
+        assert self._placed is not None, "Model._place() must run first"
+        return self._placed
+
     def _split(self, train: bool) -> tuple[Any, Any, Any, Any]:
         """``nnx.split`` of the module configured for this step: train/eval mode, and BatchNorm
         synchronised over ``data`` for the ``mean`` policy. The configuration lives in the
@@ -144,8 +154,7 @@ class Model:
                 if isinstance(sub, nnx.BatchNorm):
                     sub.axis_name = DATA if sync else None
             self.module.train() if train else self.module.eval()
-            graphdef, params, stats, rest = nnx.split(self.module, nnx.Param, nnx.BatchStat, ...)
-            return graphdef, params, stats, rest
+            return _split_state(self.module)
         finally:
             for sub, attributes in saved:
                 for name, value in attributes.items():
@@ -179,7 +188,7 @@ class Model:
                 predictions = model(x)
                 per_sample = self.loss_fn(predictions, y)
                 loss_sum = jnp.sum(per_sample * mask)
-                _, _, new_stats, new_rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
+                _, _, new_stats, new_rest = _split_state(model)
                 # Local sum scaled so that sync_grads' mean over devices is the gradient of the
                 # global mean loss, exactly, even for shards of unequal size.
                 return loss_sum * scale / jnp.maximum(total_count, 1), (predictions, loss_sum, new_stats, new_rest)
@@ -214,7 +223,7 @@ class Model:
         key = ("train" if train else "eval", self._local_stats is not None and train)
         if key in self._steps:
             return self._steps[key]
-        strategy, runtime, _ = self._placed
+        strategy, runtime, _ = self._placement
         graphdef, _, _, _ = self._split(train)
         local = key[1]
         if strategy is None:
@@ -229,22 +238,22 @@ class Model:
         tx = self.optimizer
 
         if train:
-            def step(params: Any, stats: Any, rest: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
+            def train_step(params: Any, stats: Any, rest: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
                 grads, stats, rest, metrics, _ = mapped(params, stats, rest, x, y, mask)
                 updates, opt_state = tx.update(grads, opt_state, params)
                 return optax.apply_updates(params, updates), stats, rest, opt_state, metrics
-            compiled = jax.jit(step, donate_argnums=(0, 1, 3))
+            compiled = jax.jit(train_step, donate_argnums=(0, 1, 3))
         else:
-            def step(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
+            def eval_step(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
                 _, _, _, metrics, predictions = mapped(params, stats, rest, x, y, mask)
                 return metrics, predictions
-            compiled = jax.jit(step)
+            compiled = jax.jit(eval_step)
         self._steps[key] = compiled
         return compiled
 
     # -- data --------------------------------------------------------------------------------------
     def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
-        strategy, runtime, _ = self._placed
+        strategy, runtime, _ = self._placement
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int. Received: {batch_size!r}.")
         arrays = tuple(np.asarray(a) for a in arrays)
@@ -354,13 +363,13 @@ class Model:
 
     # -- state ---------------------------------------------------------------------------------
     def _remainder(self) -> str:
-        strategy = self._placed[0]
+        strategy = self._placement[0]
         return strategy.data_policy.remainder if strategy is not None else "pad"
 
     def _init_optimizer(self, params: Any) -> Any:
         import jax
 
-        _, runtime, wrapped = self._placed
+        _, runtime, wrapped = self._placement
         if wrapped is not None:
             opt_state = wrapped.init_optimizer(self.optimizer, params)
         else:
@@ -380,7 +389,7 @@ class Model:
         import jax
         import jax.numpy as jnp
 
-        strategy, runtime, _ = self._placed
+        strategy, runtime, _ = self._placement
         if strategy is None or self._stats_action(strategy) != "local" or not jax.tree.leaves(stats):
             return stats
         size = runtime.data_size
@@ -440,6 +449,15 @@ class Model:
         self._placed, self._steps, self._local_stats = None, {}, None
         self._opt_state = None
         self._saved_opt_state = blob.get("opt_state") or None
+
+
+def _split_state(module: Any) -> tuple[Any, Any, Any, Any]:
+    """``nnx.split`` of ``module`` into (graphdef, parameters, BatchNorm statistics, the rest)."""
+    from flax import nnx
+
+    graphdef, params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
+    stats, rest = states  # three filters, so exactly two more states (flax's type says "any number")
+    return graphdef, params, stats, rest
 
 
 def _in_data() -> bool:

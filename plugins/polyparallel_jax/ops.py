@@ -233,6 +233,7 @@ def reduce_metrics(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int,
                  else jnp.asarray(v, jnp.float32)) for n, v in metrics.items() if n not in spanning}
     gathered = _gather_processes(local, runtime, "reduce_metrics", rank)
     keep = runtime.representative_processes()
+    reducers: dict[str, Callable[..., Any]] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
     out = {}
     for name, value in metrics.items():
         if name in spanning:
@@ -242,8 +243,7 @@ def reduce_metrics(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int,
             out[name] = jnp.sum(totals[keep]) / jnp.sum(counts[keep])
         else:
             values = gathered[name][keep]
-            out[name] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}[
-                strategy.metric_policy.op_for(name)](values, axis=0)
+            out[name] = reducers[strategy.metric_policy.op_for(name)](values, axis=0)
     return out
 
 

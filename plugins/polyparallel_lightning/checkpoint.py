@@ -12,15 +12,18 @@ checkpoint written at ``tensor=2`` therefore loads at ``tensor=1`` and vice vers
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["is_tensor_parallel", "to_full", "localize_state", "localize_optimizer"]
 
 
-def _dtensor_type() -> type:
+def _dtensor_type() -> type[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return DTensor

@@ -12,10 +12,12 @@ from typing import Any
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
 
+from .namespaces import ModuleMixinBase
+
 __all__ = ["run_demo", "train_digits", "digits_module_class"]
 
 
-class DigitsModuleMixin:
+class DigitsModuleMixin(ModuleMixinBase):
     """The demo MLP (64-64-10, SGD with momentum); times each training step on this rank."""
 
     def __init__(self) -> None:

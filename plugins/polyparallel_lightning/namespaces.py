@@ -23,9 +23,13 @@ import importlib.util
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["Namespace", "NAMESPACES", "resolve_namespace", "per_namespace_class", "INSTALL_HINT"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["Namespace", "NAMESPACES", "resolve_namespace", "per_namespace_class", "INSTALL_HINT", "LightningModuleAPI",
+           "ModuleMixinBase"]
 
 INSTALL_HINT = "pip install 'polyparallel[lightning]'"
 
@@ -127,3 +131,32 @@ def per_namespace_class(prefix: str, mixin: type, base_path: str, base_attr: str
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return factory, module_getattr
+
+
+class LightningModuleAPI(Protocol):
+    """The members of a ``LightningModule`` (either namespace's) that the module mixins of this
+    plugin (the demo's and the conformance driver's) use beyond ``nn.Module``'s."""
+
+    @property
+    def current_epoch(self) -> int:
+        """The Trainer's current epoch."""
+        ...
+
+    @property
+    def trainer(self) -> Any:
+        """The Trainer fitting this module."""
+        ...
+
+    def log(self, name: str, value: Any, **kwargs: Any) -> None:
+        """Log a metric (``sync_dist=True`` reduces it through the strategy)."""
+        ...
+
+
+if TYPE_CHECKING:
+    class ModuleMixinBase(nn.Module, LightningModuleAPI):
+        """The type checker's view of a module mixin's eventual base: a LightningModule."""
+else:
+    # The mixins meet the real LightningModule only at run time, when a factory builds
+    # ``type(name, (mixin, LightningModule), ...)`` for the namespace in use; at run time their base
+    # is ``object`` so that nothing here shadows Lightning's methods (or imports torch).
+    ModuleMixinBase = object

@@ -273,7 +273,7 @@ class StrategyMixin:
             self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
             self.model_to_device()  # type: ignore[attr-defined]
             if self.topology.size("tensor") > 1:
-                self.model = self._setup_model(self.model)  # type: ignore[has-type]
+                self.model = self._setup_model(self.model)
             self.setup_precision_plugin()  # type: ignore[attr-defined]
         self._scope_torchmetrics()
         self._quiet_sampler_warning(trainer)
@@ -323,7 +323,7 @@ class StrategyMixin:
 
         def closure_then_sync() -> Any:
             output = closure()
-            self._pp.sync_grads(self.model)  # type: ignore[attr-defined]
+            self._pp.sync_grads(self.model)
             return output
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)  # type: ignore[misc]
@@ -363,7 +363,7 @@ class StrategyMixin:
         """``strategy.sync_states(model)``: the StatePolicy over the data axis (BatchNorm statistics
         averaged, parameters broadcast from data rank 0, counters left alone)."""
         if self.world_size > 1 and self.model is not None:  # type: ignore[attr-defined]
-            self._pp.sync_states(self.model)  # type: ignore[attr-defined]
+            self._pp.sync_states(self.model)
 
     def on_validation_start(self) -> None:
         """Evaluate with synchronised states."""

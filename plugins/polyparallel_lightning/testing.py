@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,6 +20,8 @@ import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
 from polyparallel_torch import testing as torch_testing
 
+from .namespaces import ModuleMixinBase
+
 __all__ = ["LightningDriver", "reference_module_class", "lightning_plan", "make_trainer"]
 
 
@@ -28,7 +30,7 @@ def lightning_plan() -> dict[str, Any]:
     return {f"net.{path}": style for path, style in torch_testing.reference_plan().items()}
 
 
-class ReferenceModuleMixin:
+class ReferenceModuleMixin(ModuleMixinBase):
     """The reference MLP as a LightningModule: SGD, cross-entropy, ``self.log(..., sync_dist=True)``.
 
     :param seed: seeds the MLP's initialisation (``reference_model(seed)``).
@@ -187,11 +189,13 @@ class LightningDriver(ConformanceDriver):
             lightning_strategy.reduce(torch.tensor(1.0))
 
 
-class _StateProbeMixin:
+class _StateProbeMixin(ReferenceModuleMixin):
     def on_validation_start(self) -> None:
         rank = self.trainer.global_rank
         with torch.no_grad():
-            bn, head = self.net[3], self.net[5]
+            # reference_model's BatchNorm (tracking running statistics) and head; no plan shards them
+            bn, head = cast(nn.BatchNorm1d, self.net[3]), cast(nn.Linear, self.net[5])
+            assert bn.running_mean is not None and bn.running_var is not None
             bn.running_mean.fill_(float(rank))
             bn.running_var.fill_(1.0 + rank)
             head.bias.fill_(10.0 + rank)

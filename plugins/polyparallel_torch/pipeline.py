@@ -31,12 +31,14 @@ import polyparallel as pp
 __all__ = ["split_sequential", "PipelineModel", "validate_pipeline", "wrap_pipeline"]
 
 
-def split_sequential(model: nn.Sequential, num_stages: int, boundaries: Sequence[int] | None = None) -> list[nn.Sequential]:
+def split_sequential(model: nn.Module, num_stages: int, boundaries: Sequence[int] | None = None) -> list[nn.Sequential]:
     """Cut an ``nn.Sequential`` into ``num_stages`` contiguous stages that keep the original
     child names (so ``state_dict`` keys match the unsplit model).
 
     :param boundaries: indices of the first child of stages 1..n-1; by default stages are
         balanced by parameter count (every stage gets at least one child).
+    :raises TypeError: ``model`` is not an ``nn.Sequential`` (any module is accepted, and refused
+        with what to do instead).
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(

@@ -41,7 +41,7 @@ def reference_data(n: int, features: int = 8, classes: int = 4, seed: int = 0) -
     return xs, ys
 
 
-class PerRank(dict):  # type: ignore[type-arg]
+class PerRank(dict[int, Any]):
     """A driver result that differs between the ranks one process runs: ``rank -> value``.
 
     Return it from a driver method when a process drives several ranks (JAX: one process, many
@@ -84,12 +84,12 @@ class ConformanceDriver(abc.ABC):
     startup_seconds: float = 60.0
 
     @abc.abstractmethod
-    def shard_indices(self, strategy: Strategy, epoch: int) -> list[int]:
+    def shard_indices(self, strategy: Strategy, epoch: int) -> list[int] | PerRank:
         """In a launched process: the sample indices this rank sees in ``epoch``, in order,
         through the framework's own data path (``strategy.shard_data``, ``remainder="uneven"``)."""
 
     @abc.abstractmethod
-    def train(self, strategy: Strategy) -> dict[str, list[float]]:
+    def train(self, strategy: Strategy) -> dict[str, list[float]] | PerRank:
         """In a launched process: train :attr:`steps` steps; return the parameters this rank
         holds as name -> flat list of floats: the *full* parameters (tensor-parallel shards
         gathered); a pipeline stage returns its own stage's parameters under their names in the
@@ -103,7 +103,7 @@ class ConformanceDriver(abc.ABC):
         synchronised variant) split each global batch, for a faithful reference."""
 
     @abc.abstractmethod
-    def evaluate(self, strategy: Strategy) -> dict[str, float] | None:
+    def evaluate(self, strategy: Strategy) -> dict[str, float] | PerRank | None:
         """In a launched process: evaluate the (untrained, seeded) model on the data set sharded
         ``uneven`` and return the metrics reduced through the framework (``None`` on ranks that
         hold no metrics: those without the ``metrics`` role)."""
@@ -113,7 +113,7 @@ class ConformanceDriver(abc.ABC):
         """In this process: the same metrics computed on the whole data set at once."""
 
     @abc.abstractmethod
-    def sync_states(self, strategy: Strategy) -> dict[str, dict[str, Any]]:
+    def sync_states(self, strategy: Strategy) -> dict[str, dict[str, Any]] | PerRank:
         """In a launched process: give the states values that differ between data replicas,
         sync them, and return ``name -> {"action": mean|broadcast|local, "before": [floats],
         "after": [floats]}``."""
