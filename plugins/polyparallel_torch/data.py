@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,18 +20,18 @@ class TopologySampler(Sampler[int]):
     data coordinates get disjoint ones. With ``shuffle``, the order is a permutation determined by
     ``(seed, epoch)`` alone, the same on every rank and in a single-process reference.
 
-    The epoch is explicit state, so that replicas never drift apart:
+    Which epoch a pass uses, so that replicas never drift apart:
 
     - ``set_epoch(e)`` (what Lightning's and Ignite's loops call, as for ``DistributedSampler``)
-      pins the epoch: every later iteration uses ``e`` until the next ``set_epoch``;
-    - until then, the epoch advances only when an iteration has run to its end (a full pass), so a
-      plain ``for epoch in ...: for batch in loader`` loop reshuffles each epoch, while a peek
-      (``next(iter(loader))`` in a logger) or an abandoned pass leaves it where it was: a rank
-      that peeks still feeds its replicas the same batches afterwards.
-
-    With ``num_workers > 0`` the loader draws indices ahead of the batches it hands out, so a
-    peek at a loader whose whole epoch fits in its prefetch window counts as a full pass; call
-    ``set_epoch`` in such loops.
+      pins the epoch: every later pass uses ``e`` until the next ``set_epoch``. A rank may then
+      iterate its loader more often than its peers (a logger peeking at one batch with
+      ``next(iter(loader))``) without changing what its replicas see.
+    - Until then each pass (each ``iter()``) uses the current epoch and moves to the next, so a
+      plain ``for epoch in ...: for batch in loader`` loop reshuffles every epoch, also when it
+      breaks off a pass after a number of steps. Because a rank that iterates once more than its
+      peers would then shuffle differently from its replicas, every pass first checks, over all
+      ranks (``agree``), that they start the same pass: a rank out of step makes its group fail
+      with an error naming ``shard_data`` instead of training on other data silently.
 
     :param remainder: ``pad`` (repeat samples from the start of the order so every shard has the
         same length), ``drop`` (drop the tail), ``uneven`` (every sample exactly once; shard
@@ -39,13 +39,19 @@ class TopologySampler(Sampler[int]):
     """
 
     def __init__(self, dataset_len: int, data_rank: int, data_size: int, *, seed: int = 0,
-                 shuffle: bool = True, remainder: str = "pad"):
+                 shuffle: bool = True, remainder: str = "pad", agree: Callable[[int], None] | None = None):
         # shard_length validates the split now, not at the first iteration.
         self._len = pp.shard_length(dataset_len, data_rank, data_size, remainder)
         self.dataset_len, self.data_rank, self.data_size = dataset_len, data_rank, data_size
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch = 0
         self.pinned = False  # True once set_epoch was called: the epoch no longer advances by itself
+        # Called with the epoch at the start of every unpinned pass: a collective check that every
+        # rank starts the same pass (None in one process, and when pickled into loader workers).
+        self._agree = agree
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_agree": None}  # the check holds process groups: it stays here
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for every iteration from now on (deterministic shuffling from (seed, epoch));
@@ -61,12 +67,11 @@ class TopologySampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch
-        yield from self.indices(epoch)
-        # Reached only when the consumer asked past the last index: a full pass. A peek or an
-        # abandoned pass never gets here, so it does not move this rank's epoch away from its
-        # replicas'. The guard keeps two interleaved passes from advancing twice.
-        if not self.pinned and self.epoch == epoch:
+        if not self.pinned:
             self.epoch = epoch + 1
+            if self._agree is not None:
+                self._agree(epoch)
+        return iter(self.indices(epoch))
 
     def __len__(self) -> int:
         return self._len
@@ -124,6 +129,19 @@ def _loader_options(loader: DataLoader) -> dict[str, Any]:
     return options
 
 
+#: The name passes are checked under: what a user sees when ranks iterate their loaders unequally.
+PASS_CHECK = "shard_data pass (iterate the loader alike on every rank, or pin epochs with loader.sampler.set_epoch)"
+
+
+def _pass_check(session: pp.Session, what: str) -> Callable[[int], None]:
+    def agree(epoch: int) -> None:
+        from .runtime import get_runtime  # made on first use, like every operation's groups
+
+        get_runtime(session).check(PASS_CHECK, "world", f"epoch {epoch} of {what}")
+
+    return agree
+
+
 def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy) -> DataLoader:
     """A ``DataLoader`` over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``).
 
@@ -162,5 +180,6 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
     else:
         shuffle, options = policy.shuffles(), {}
     sampler = TopologySampler(length, session.coords["data"], data_size, seed=strategy.seed,
-                              shuffle=shuffle, remainder=policy.remainder)
+                              shuffle=shuffle, remainder=policy.remainder,
+                              agree=_pass_check(session, f"{length} samples, batch {batch}") if session.world_size > 1 else None)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, **options)

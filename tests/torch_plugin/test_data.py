@@ -2,6 +2,8 @@
 
 Sharding needs no collective, so these run in one process with RANK/WORLD_SIZE set."""
 
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -31,17 +33,15 @@ def test_bad_sampler_arguments_are_refused_at_construction():
         TopologySampler(10, 0, 2).set_epoch(-1)
 
 
-def test_the_epoch_advances_only_after_a_full_pass():
+def test_each_pass_is_the_next_epoch_until_pinned():
     s = TopologySampler(20, 0, 2, seed=3)
-    peeked = next(iter(s))  # a peek ...
-    partial = iter(s)
-    started = [next(partial) for _ in range(4)]  # ... and an abandoned pass
-    assert s.epoch == 0  # leave the epoch alone
     epoch = lambda e: pp.shard_indices(20, 0, 2, seed=3, epoch=e)  # noqa: E731
-    assert [peeked] + started == epoch(0)[:1] + epoch(0)[:4]
-    assert list(s) == epoch(0) and s.epoch == 1  # a full pass moves it on
-    assert list(s) == epoch(1) and s.epoch == 2
-    assert epoch(0) != epoch(1)
+    partial = iter(s)
+    started = [next(partial) for _ in range(4)]  # a pass broken off after 4 steps (steps per epoch) ...
+    assert started == epoch(0)[:4] and s.epoch == 1
+    assert list(s) == epoch(1) and s.epoch == 2  # ... still makes the next pass reshuffle
+    assert list(s) == epoch(2)
+    assert len({tuple(epoch(e)) for e in range(3)}) == 3
 
 
 def test_set_epoch_pins_the_epoch():
@@ -51,17 +51,26 @@ def test_set_epoch_pins_the_epoch():
     assert s.epoch == 5 and s.pinned
 
 
-def test_a_peek_at_the_loader_does_not_move_the_epoch(monkeypatch):
+def test_a_peek_at_a_pinned_loader_does_not_move_the_epoch(monkeypatch):
     ds = TensorDataset(torch.arange(12))
     peeked = _loader_for(0, 2, monkeypatch, ds, batch_size=4)
     replica = _loader_for(0, 2, monkeypatch, ds, batch_size=4)  # the same data coordinate, not peeked at
-    next(iter(peeked))  # what a logger does to show one batch
     orders = [pp.shard_indices(12, 0, 2, seed=1, epoch=e) for e in range(3)]
-    for order in orders:  # a plain epoch loop: each pass is the next epoch, the peek not counted
+    for e, order in enumerate(orders):  # an epoch loop that pins each epoch, as Lightning and Ignite do
+        peeked.sampler.set_epoch(e)
+        replica.sampler.set_epoch(e)
+        next(iter(peeked))  # what a logger does to show one batch
         got = [i for (b,) in peeked for i in b.tolist()]
         assert got == [i for (b,) in replica for i in b.tolist()]
         assert got == order
     assert len({tuple(o) for o in orders}) == 3
+
+
+def test_the_pass_check_stays_behind_when_the_sampler_is_pickled():
+    import pickle
+
+    s = TopologySampler(10, 0, 2, agree=lambda epoch: None)
+    assert pickle.loads(pickle.dumps(s))._agree is None
 
 
 def _loader_for(rank, world, monkeypatch, data, **overrides):
@@ -70,6 +79,9 @@ def _loader_for(rank, world, monkeypatch, data, **overrides):
     strategy = pp.Strategy(data=2, tensor=world // 2, seed=1)
     loader = strategy.shard_data(data, **overrides)
     strategy.session().close()
+    # One rank of a world that is not running: its epoch is pinned, so its passes need no check
+    # with the peers (the unpinned path is tested on real processes below).
+    loader.sampler.set_epoch(0)
     return loader
 
 
@@ -193,31 +205,46 @@ def test_bad_inputs_are_refused_before_any_collective(monkeypatch):
 
 
 def _peek_worker():
-    s = pp.Strategy(data=2, tensor=2, batch_size=6, seed=2, timeout=30)
+    s = pp.Strategy(data=2, tensor=2, batch_size=6, seed=2, timeout=12)
     ds = TensorDataset(torch.arange(23))
-    loader = s.shard_data(ds)
     pinned = s.shard_data(ds)
-    if s.rank == 0:
-        next(iter(loader))  # a logger on rank 0 shows one batch; its tensor replica (rank 1) does not
-        next(iter(pinned))
-    epochs, pinned_epochs = [], []
+    out: dict = {"rank": s.rank, "data": s.session().coords["data"], "pinned": []}
     for epoch in range(3):
-        epochs.append([b.tolist() for (b,) in loader])
         pinned.sampler.set_epoch(epoch)  # what Lightning and Ignite do
-        pinned_epochs.append([b.tolist() for (b,) in pinned])
-    return {"rank": s.rank, "data": s.session().coords["data"], "epochs": epochs, "pinned": pinned_epochs}
+        if s.rank == 0:
+            next(iter(pinned))  # a logger on rank 0 shows one batch; its tensor replica (rank 1) does not
+        out["pinned"].append([b.tolist() for (b,) in pinned])
+        s.reduce_metrics({"passes": 1.0})  # the training step's collectives
+    # Unpinned, each pass is the next epoch: a peek on rank 0 would move it one epoch ahead of its
+    # replica. Every pass is checked over all ranks, so the ranks fail naming shard_data.
+    loader = s.shard_data(ds)
+    start = time.monotonic()
+    try:
+        if s.rank == 0:
+            next(iter(loader))
+        for _ in range(2):
+            [b.tolist() for (b,) in loader]
+            s.reduce_metrics({"passes": 1.0})
+        out["unpinned"] = "no error"
+    except pp.PolyparallelError as exc:
+        out["unpinned"] = f"{type(exc).__name__}: {exc}"
+    out["elapsed"] = time.monotonic() - start
+    return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_replicas_get_the_same_batches_after_one_rank_peeked(run):
+def test_replicas_never_train_on_different_batches_after_one_rank_peeked(run):
     results = run(_peek_worker, pp.Strategy(data=2, tensor=2), 4, timeout=240)
     assert [r["data"] for r in results] == [0, 0, 1, 1]
-    assert results[0]["epochs"] == results[1]["epochs"] and results[2]["epochs"] == results[3]["epochs"]
+    assert results[0]["pinned"] == results[1]["pinned"] and results[2]["pinned"] == results[3]["pinned"]
     for r in results:
-        for epoch, batches in enumerate(r["epochs"]):
+        for epoch, batches in enumerate(r["pinned"]):
             expected = pp.shard_indices(23, r["data"], 2, seed=2, epoch=epoch)
             assert [i for b in batches for i in b] == expected, (r["rank"], epoch)
             assert [len(b) for b in batches] == [3, 3, 3, 3]  # 23 padded to 24: 12 per data rank
-        assert r["pinned"] == r["epochs"]
-    assert len({str(e) for e in results[0]["epochs"]}) == 3  # every epoch reshuffles
+    assert len({str(e) for e in results[0]["pinned"]}) == 3  # every epoch reshuffles
+    # The unpinned peek: no rank trains on; rank 0 is told which operation it waits in.
+    assert all(r["unpinned"].startswith(("CollectiveTimeout", "CollectiveError")) for r in results), results
+    assert "shard_data pass" in results[0]["unpinned"] and "set_epoch" in results[0]["unpinned"], results[0]
+    assert all(r["elapsed"] < 60 for r in results)
