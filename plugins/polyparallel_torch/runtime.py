@@ -172,6 +172,11 @@ class TorchRuntime:
             _WORLD["group"] = dist.group.WORLD
         _WORLD["users"] += 1
         self._uses_world = True
+        # Every rank makes the same runtime (a rank that made it with another timeout or topology
+        # would pair its collectives wrongly): checked before the mesh, whose sub-group creation
+        # would otherwise just wait for ranks that are not making it.
+        self.check("start the torch runtime", "world",
+                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s")
         # Sub-groups made by new_group() default to a 30-minute timeout, not the world's: pass ours.
         options = _backend_options(self.backend, self.timeout)
         override: Any = {axis: (self.backend, options) for axis in self.topology.axis_names} if options is not None else None
@@ -180,10 +185,6 @@ class TorchRuntime:
                 self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
                 **({"backend_override": override} if override else {}),
             )
-        # Every rank made the same runtime (a rank that made it with another timeout or topology
-        # would pair its collectives wrongly).
-        self.check("start the torch runtime", "world",
-                   f"{self.topology!r}, backend {self.backend}, timeout {self.timeout_s:g} s")
 
     @property
     def owns_default_group(self) -> bool:
@@ -235,10 +236,10 @@ class TorchRuntime:
     def group(self, axis: str) -> Any:
         """The process group of this rank along ``axis`` (``None`` when the axis has size 1 or
         the world is one process; the default group for ``"world"``)."""
+        if axis == "world":  # identity checks of the runtime itself (also before the mesh exists)
+            return dist.group.WORLD if self._uses_world else None
         if self.mesh is None:
             return None
-        if axis == "world":  # identity checks of the runtime itself
-            return dist.group.WORLD
         if self.topology.size(axis) == 1:
             return None
         return self.mesh.get_group(axis)
