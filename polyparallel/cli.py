@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from typing import Any
 
@@ -132,18 +133,87 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--nproc-per-node", default="1", show_default=True, help="processes per node (an int, or 'auto')")
+@click.option("--nproc-per-node", default="1", show_default=True,
+              help="processes per node: a positive int, or auto/cpu/gpu/xpu")
 @click.option("--nnodes", default="1", show_default=True, help="number of nodes, or MIN:MAX for elastic jobs")
-@click.option("--node-rank", type=int, default=0, show_default=True)
-@click.option("--rdzv-endpoint", default="127.0.0.1:0", show_default=True, help="host:port of the rendezvous")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="this node's rank, 0 to nnodes-1")
+@click.option("--rdzv-endpoint", default=None,
+              help="HOST:PORT of the rendezvous, the same on every node; required with --nnodes > 1 "
+                   "[default: 127.0.0.1 and a free port, one node only]")
+@click.option("--rdzv-timeout", type=float, default=300.0, show_default=True,
+              help="seconds to wait for every node to join before giving up")
 @click.option("--max-restarts", type=int, default=0, show_default=True)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(command: tuple[str, ...], **options: Any) -> None:
-    """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun)."""
+    """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun).
+
+    Every option is checked before any process starts. Multi-node jobs run the same command on
+    every node with its own --node-rank and one shared --rdzv-endpoint (a host all nodes reach,
+    e.g. node 0's address, and a free port there).
+    """
+    _check_launch_options(options)
     code = get_plugin_manager().call("polyparallel_launch_script", command=list(command), options=options)
     if code is None:
         raise click.ClickException("no installed plugin can launch scripts; install one: pip install 'polyparallel[torch]'")
     sys.exit(code)
+
+
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's names for "one per device"
+
+
+def _check_launch_options(options: dict[str, Any]) -> None:
+    """Refuse bad ``launch`` options with a message naming the option and the fix."""
+    def bad(option: str, message: str) -> click.BadParameter:
+        return click.BadParameter(message, param_hint=f"'{option}'")
+
+    nproc = str(options["nproc_per_node"])
+    if not (nproc in _NPROC_WORDS or (nproc.isdigit() and int(nproc) >= 1)):
+        raise bad("--nproc-per-node",
+                  f"expected a positive int or one of {', '.join(_NPROC_WORDS)}. Received: {nproc!r}.")
+    nnodes = str(options["nnodes"])
+    parts = nnodes.split(":")
+    if not (1 <= len(parts) <= 2 and all(p.isdigit() and int(p) >= 1 for p in parts)
+            and int(parts[0]) <= int(parts[-1])):
+        raise bad("--nnodes", f"expected a positive int N or MIN:MAX with 1 <= MIN <= MAX. Received: {nnodes!r}.")
+    max_nodes = int(parts[-1])
+    if not 0 <= options["node_rank"] < max_nodes:
+        raise bad("--node-rank",
+                  f"expected 0 to {max_nodes - 1} for --nnodes {nnodes}. Received: {options['node_rank']}.")
+    if options["max_restarts"] < 0:
+        raise bad("--max-restarts", f"expected 0 or more. Received: {options['max_restarts']}.")
+    timeout = options["rdzv_timeout"]
+    if not timeout > 0 or timeout == float("inf"):
+        raise bad("--rdzv-timeout", f"expected a positive number of seconds. Received: {timeout!r}.")
+    endpoint = options["rdzv_endpoint"]
+    if endpoint is None:
+        if max_nodes > 1:
+            raise bad("--rdzv-endpoint", f"--nnodes {nnodes} needs an explicit HOST:PORT that every node reaches "
+                      "(e.g. --rdzv-endpoint node0.example.com:29400, the same on each node); without it each "
+                      "node would pick its own port and the nodes would never meet.")
+        return
+    host, port = _split_endpoint(endpoint)
+    if host is None or port is None:
+        raise bad("--rdzv-endpoint",
+                  f"expected HOST:PORT (e.g. 127.0.0.1:29400 or [::1]:29400). Received: {endpoint!r}.")
+    if max_nodes > 1 and port == 0:
+        raise bad("--rdzv-endpoint", f"port 0 means 'any free port', which each of the {nnodes} nodes would pick "
+                  f"differently: give a fixed port. Received: {endpoint!r}.")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise bad("--rdzv-endpoint", f"cannot resolve host {host!r} ({exc.strerror or exc}): use a host name or "
+                  f"address this node can reach. Received: {endpoint!r}.") from None
+
+
+def _split_endpoint(endpoint: str) -> tuple[str | None, int | None]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None, None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:  # an IPv6 address needs brackets, or its last group reads as the port
+        return None, None
+    return host, int(port)
 
 
 @cli.command()

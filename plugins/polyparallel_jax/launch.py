@@ -3,7 +3,9 @@
 ``launch_processes(fn, nprocs)`` pickles ``fn`` and its arguments, starts ``nprocs`` fresh
 interpreters (``python -m polyparallel_jax.launch``) with the coordinator on 127.0.0.1, and
 returns their results by process. Every wait is bounded: a process that fails or does not finish
-in ``timeout`` seconds stops the others and raises :class:`polyparallel.LaunchError`.
+in ``timeout`` seconds stops the others and raises :class:`polyparallel.LaunchError`. Each
+process's output goes to a file in the launch's directory (never a pipe that could fill up and
+block it); the end of it is quoted when the process fails without a traceback.
 """
 
 from __future__ import annotations
@@ -60,21 +62,25 @@ def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwar
     with tempfile.TemporaryDirectory(prefix="polyparallel-jax-") as tmp:
         with open(os.path.join(tmp, "job.pkl"), "wb") as f:
             pickle.dump((fn, tuple(args), dict(kwargs or {})), f)
-        procs = [subprocess.Popen([sys.executable, "-m", "polyparallel_jax.launch", tmp, str(i)],
-                                  env=process_env(i, nprocs, port, devices_per_process),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                 for i in range(nprocs)]
-        deadline = time.monotonic() + timeout
+        procs: list[subprocess.Popen[bytes]] = []
 
         def failed_process() -> int | None:
             # A process that wrote its result (before the final barrier) has succeeded even if it
             # died afterwards: once process 0 exits, the coordination service is gone and a peer
-            # still on its way to os._exit may be aborted by JAX's error poller (seen under load).
+            # still on its way out may be aborted by JAX's error poller (seen under load).
             return next((i for i, p in enumerate(procs) if p.poll() not in (None, 0)
                          and not os.path.exists(os.path.join(tmp, f"result_{i}.pkl"))), None)
 
-        failed: int | None = None
         try:
+            for i in range(nprocs):
+                # Output goes to a file, not a pipe: a pipe nobody reads until the end fills up
+                # (64 KiB) and blocks a chatty process, which then looks like a hang.
+                with open(_output_path(tmp, i), "wb") as out:
+                    procs.append(subprocess.Popen([sys.executable, "-m", "polyparallel_jax.launch", tmp, str(i)],
+                                                  env=process_env(i, nprocs, port, devices_per_process),
+                                                  stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout
+            failed: int | None = None
             while any(p.poll() is None for p in procs):
                 failed = failed_process()
                 if failed is not None or time.monotonic() > deadline:
@@ -85,19 +91,36 @@ def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwar
             for p in procs:  # only the processes started here
                 if p.poll() is None:
                     p.kill()
-            outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
+            for p in procs:
+                p.wait()
         if failed is None and not all(os.path.exists(os.path.join(tmp, f"result_{i}.pkl")) for i in range(nprocs)):
+            output = _tail(tmp, 0)
             raise pp.LaunchError(f"JAX processes did not finish within {timeout:g} s; killed. Output of process 0:\n"
-                                 f"{outputs[0][-3000:]}", rank=None, traceback=outputs[0])
+                                 f"{output}", rank=None, traceback=output)
         if failed is not None:
             path = os.path.join(tmp, f"error_{failed}.txt")
-            text = open(path).read() if os.path.exists(path) else outputs[failed][-3000:]
+            if os.path.exists(path):
+                with open(path) as f:
+                    text = f.read()
+            else:
+                text = _tail(tmp, failed)
             raise pp.LaunchError(f"JAX process {failed} of {nprocs} failed:\n{text}", rank=failed, traceback=text)
         results = []
         for i in range(nprocs):
-            with open(os.path.join(tmp, f"result_{i}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+            with open(os.path.join(tmp, f"result_{i}.pkl"), "rb") as result_file:
+                results.append(pickle.load(result_file))
         return results
+
+
+def _output_path(tmp: str, process_id: int) -> str:
+    return os.path.join(tmp, f"output_{process_id}.txt")
+
+
+def _tail(tmp: str, process_id: int, size: int = 3000) -> str:
+    """The last ``size`` bytes a process printed."""
+    with open(_output_path(tmp, process_id), "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - size))
+        return f.read().decode(errors="replace")
 
 
 def _child(tmp: str, process_id: int) -> int:

@@ -182,7 +182,8 @@ def test_plugins_with_autoload_disabled(python):
 def test_launch_help(python):
     result = run_cli(python, "launch", "--help")
     assert result.returncode == 0, result.stderr
-    for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts"):
+    for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-timeout",
+                   "--max-restarts"):
         assert option in result.stdout
     assert "COMMAND..." in result.stdout
 
@@ -236,8 +237,58 @@ def test_launch_hands_the_script_and_options_to_the_runtime(manager, invoke):
     assert result.exit_code == 3  # the script's exit code is ours
     (command, options), = launcher.calls
     assert command == ["train.py", "--lr", "0.1", "--tensor", "2"]  # the script's own options stay its own
-    assert options == {"nproc_per_node": "4", "nnodes": "1", "node_rank": 0, "rdzv_endpoint": "127.0.0.1:0",
-                       "max_restarts": 2}
+    assert options == {"nproc_per_node": "4", "nnodes": "1", "node_rank": 0, "rdzv_endpoint": None,
+                       "rdzv_timeout": 300.0, "max_restarts": 2}
+
+
+def test_launch_multi_node_options_reach_the_runtime(manager, invoke):
+    launcher = ScriptLauncher(exit_code=0)
+    manager.register(launcher, name="launcher")
+    result = invoke("launch", "--nnodes", "1:2", "--node-rank", "1", "--rdzv-endpoint", "localhost:29400",
+                    "--rdzv-timeout", "30", "train.py")
+    assert result.exit_code == 0, result.output
+    (_, options), = launcher.calls
+    assert options["nnodes"] == "1:2" and options["node_rank"] == 1
+    assert options["rdzv_endpoint"] == "localhost:29400" and options["rdzv_timeout"] == 30.0
+
+
+@pytest.mark.parametrize(("args", "option", "message"), [
+    # Old code: torchrun failed with an empty message ("polyparallel launch: ").
+    (["--nproc-per-node", "0"], "--nproc-per-node",
+     "expected a positive int or one of auto, cpu, gpu, xpu. Received: '0'."),
+    (["--nproc-per-node", "two"], "--nproc-per-node", "Received: 'two'."),
+    (["--nnodes", "0"], "--nnodes", "expected a positive int N or MIN:MAX with 1 <= MIN <= MAX. Received: '0'."),
+    (["--nnodes", "3:2"], "--nnodes", "Received: '3:2'."),
+    (["--node-rank", "1"], "--node-rank", "expected 0 to 0 for --nnodes 1. Received: 1."),
+    (["--max-restarts", "-1"], "--max-restarts", "expected 0 or more. Received: -1."),
+    (["--rdzv-timeout", "0"], "--rdzv-timeout", "expected a positive number of seconds. Received: 0.0."),
+    # Old code: each node picked its own random port, and the nodes never met.
+    (["--nnodes", "2"], "--rdzv-endpoint", "--nnodes 2 needs an explicit HOST:PORT that every node reaches"),
+    (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:0"], "--rdzv-endpoint",
+     "port 0 means 'any free port', which each of the 2 nodes would pick differently"),
+    # Old code: hung.
+    (["--rdzv-endpoint", "notahost"], "--rdzv-endpoint", "expected HOST:PORT (e.g. 127.0.0.1:29400 or [::1]:29400). "
+                                                          "Received: 'notahost'."),
+    (["--rdzv-endpoint", "notahost.invalid:29400"], "--rdzv-endpoint", "cannot resolve host 'notahost.invalid'"),
+    (["--rdzv-endpoint", "127.0.0.1:70000"], "--rdzv-endpoint", "Received: '127.0.0.1:70000'."),
+    (["--rdzv-endpoint", "::1:29400"], "--rdzv-endpoint", "Received: '::1:29400'."),
+])
+def test_launch_refuses_bad_options_before_any_process(manager, invoke, args, option, message):
+    launcher = ScriptLauncher(exit_code=0)
+    manager.register(launcher, name="launcher")
+    result = invoke("launch", *args, "train.py")
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output
+    assert message in " ".join(result.output.split())  # click wraps long lines
+    assert launcher.calls == []  # refused before the runtime was asked to start anything
+
+
+def test_launch_accepts_an_ipv6_endpoint(manager, invoke):
+    launcher = ScriptLauncher(exit_code=0)
+    manager.register(launcher, name="launcher")
+    result = invoke("launch", "--rdzv-endpoint", "[::1]:29400", "train.py")
+    assert result.exit_code == 0, result.output
+    assert launcher.calls[0][1]["rdzv_endpoint"] == "[::1]:29400"
 
 
 def test_launch_without_a_runtime(invoke):
