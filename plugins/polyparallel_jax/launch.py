@@ -100,8 +100,8 @@ def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwar
         if failed is not None:
             path = os.path.join(tmp, f"error_{failed}.txt")
             if os.path.exists(path):
-                with open(path) as f:
-                    text = f.read()
+                with open(path) as error_file:
+                    text = error_file.read()
             else:
                 text = _tail(tmp, failed)
             raise pp.LaunchError(f"JAX process {failed} of {nprocs} failed:\n{text}", rank=failed, traceback=text)
