@@ -194,11 +194,10 @@ def _runtimes(managers: list[Any]) -> Iterator[Any]:
     seen: set[int] = set()
     for manager in managers:
         for session in manager.sessions():
-            candidates = [session.peek(_STASH_KEY), *getattr(session, "_acquired", {}).values()]
-            for runtime in candidates:
-                if isinstance(runtime, TorchRuntime) and id(runtime) not in seen:
-                    seen.add(id(runtime))
-                    yield runtime
+            runtime = session.peek(_STASH_KEY)  # get_runtime() stashes the shared runtime there
+            if isinstance(runtime, TorchRuntime) and id(runtime) not in seen:
+                seen.add(id(runtime))
+                yield runtime
 
 
 def _save(outdir: str, name: str, data: bytes) -> None:
