@@ -20,7 +20,7 @@ from ._errors import (
 )
 from ._launch import launch
 from ._manager import PluginManager, get_plugin_manager, hookimpl
-from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
 from ._session import ProcessInfo, Session
 from ._sharding import shard_indices, shard_length
 from ._strategy import Strategy
@@ -45,6 +45,7 @@ __all__ = [
     "PolyparallelError",
     "ProcessInfo",
     "Session",
+    "ShardPolicy",
     "StatePolicy",
     "Strategy",
     "Topology",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._errors import UnsupportedTopologyError
+from ._policies import SHARD_STAGES
 from ._topology import AXES
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class Capabilities:
         then be ``None``).
     :param priority: *runtimes*: the automatic choice among several installed runtimes prefers the
         highest priority (ties are an error asking for ``Strategy(runtime=)``; never hook order).
+    :param stages: the sharding stages (:class:`polyparallel.ShardPolicy`, ``Strategy(zero=)``) the
+        target runs: ``{0}`` (the default) is plain replication; a runtime or adapter adds 1, 2, 3
+        as it implements them. A strategy needs its stage in the runtime's and the adapter's set.
     :param runtimes: *adapters*: the runtimes the adapter runs on (``{"torch"}`` for Lightning);
         empty means any. ``Strategy.adapt`` refuses a strategy whose runtime is not one of them.
     """
@@ -57,10 +61,11 @@ class Capabilities:
     backends: frozenset[str]
     priority: int
     runtimes: frozenset[str]
+    stages: frozenset[int]
 
     def __init__(self, target: str, axes: Iterable[str] = ("data",), features: Iterable[str] = (), plugin: str = "",
                  excludes: Iterable[Iterable[str]] = (), imports: Iterable[str] = (), backends: Iterable[str] = (),
-                 priority: int = 0, runtimes: Iterable[str] = ()):
+                 priority: int = 0, runtimes: Iterable[str] = (), stages: Iterable[int] = (0,)):
         # Any collection of names is accepted; frozensets are stored (hashable, comparable to sets).
         if not isinstance(target, str) or not target:
             raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {target!r}.")
@@ -73,12 +78,28 @@ class Capabilities:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"Capabilities({target!r}, priority=) must be an int. Received: {priority!r}.")
         object.__setattr__(self, "priority", priority)
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, Iterable):
+            raise ValueError(f"Capabilities({target!r}, stages=) must be a collection of stages from {SHARD_STAGES}. "
+                             f"Received: {stages!r}.")
+        stage_set = frozenset(stages)
+        if not stage_set or any(isinstance(x, bool) or x not in SHARD_STAGES for x in stage_set):
+            raise ValueError(f"Capabilities({target!r}, stages=) must be a non-empty collection of stages from "
+                             f"{SHARD_STAGES}. Received: {stages!r}.")
+        object.__setattr__(self, "stages", stage_set)
         unknown = sorted((self.axes | set().union(*self.excludes)) - set(AXES))
         if unknown:
             raise ValueError(f"Capabilities({target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
 
-    def check(self, topology: Topology) -> None:
-        """Raise :class:`UnsupportedTopologyError` when ``topology`` needs an axis not supported."""
+    def check(self, topology: Topology, stage: int = 0) -> None:
+        """Raise :class:`UnsupportedTopologyError` when ``topology`` needs an axis not supported,
+        or sharding ``stage`` is not one of :attr:`stages`."""
+        if stage not in self.stages:
+            by = f" (plugin {self.plugin!r})" if self.plugin else ""
+            raise UnsupportedTopologyError(
+                f"{self.target!r}{by} cannot run sharding stage zero={stage}: it runs stage(s) "
+                f"{', '.join(map(str, sorted(self.stages)))}. Set Strategy(zero=) to one of them, or use a target "
+                f"that runs stage {stage} (`polyparallel plugins` lists each target's stages)."
+            )
         missing = [a for a in topology.parallel_axes() if a not in self.axes]
         if missing:
             wanted = ", ".join(f"{a}={topology.size(a)}" for a in missing)
@@ -113,4 +134,4 @@ class Capabilities:
         return {"target": self.target, "axes": sorted(self.axes), "features": sorted(self.features),
                 "plugin": self.plugin, "excludes": [sorted(e) for e in self.excludes],
                 "imports": sorted(self.imports), "backends": sorted(self.backends), "priority": self.priority,
-                "runtimes": sorted(self.runtimes)}
+                "runtimes": sorted(self.runtimes), "stages": sorted(self.stages)}

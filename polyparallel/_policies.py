@@ -120,6 +120,31 @@ class GradPolicy:
 
 
 @dataclass(frozen=True)
+class ShardPolicy:
+    """How much of the training state is sharded over the data axis (ZeRO stages).
+
+    The stage means the same thing in every target that declares it
+    (:attr:`polyparallel.Capabilities.stages`); a target that cannot run the stage asked for is
+    refused before any process starts, with the stages it can run.
+
+    :param stage: ``0`` replicates everything on every data rank (classic data parallelism, the
+        default); ``1`` shards the optimizer state; ``2`` also the gradients; ``3`` also the
+        parameters (gathered for forward and backward, as FSDP and DeepSpeed ZeRO-3 do). Sharding
+        is over the data axis only: tensor and pipeline axes keep their own split of the model.
+    """
+
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage not in SHARD_STAGES:
+            raise ValueError(f"ShardPolicy.stage must be one of {', '.join(map(str, SHARD_STAGES))} "
+                             f"(0 replicate, 1 optimizer state, 2 + gradients, 3 + parameters). Received: {self.stage!r}.")
+
+
+SHARD_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
 class MetricPolicy:
     """How ``reduce_metrics`` reduces plain (non-:class:`Mean`) values over the data axis.
 

@@ -234,7 +234,7 @@ def check_session(pm: PluginManager, session: Session) -> None:
     Strategy themselves)."""
     runtime = session.runtime
     if runtime is not None:
-        pm.runtimes()[runtime].check(session.topology)
+        pm.runtimes()[runtime].check(session.topology, session.strategy.shard_policy.stage)
     check_batch(session.strategy.data_policy, session.topology,
                 f"{session.strategy!r} in a world of {session.world_size}")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import _routing
 from ._errors import NoPluginError, TopologyError
 from ._manager import PluginManager, get_plugin_manager
-from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
 from ._topology import Topology
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["Strategy"]
 
 _FIELDS = ("topology", "timeout", "seed", "backend", "runtime", "data_policy", "grad_policy", "metric_policy",
-           "state_policy")
+           "state_policy", "shard_policy")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
@@ -40,7 +40,11 @@ class Strategy:
         ``"nccl"`` for torch); ``None`` lets the runtime choose. Checked against the runtime's
         declared backends before any process starts; it never selects the runtime by itself
         except by narrowing the automatic choice to runtimes that offer it.
-    :param data_policy, grad_policy, metric_policy, state_policy: see :mod:`polyparallel` policies.
+    :param zero: the sharding stage over the data axis, 0-3 (shortcut for
+        ``shard_policy=ShardPolicy(stage=)``): 0 replicates, 1 shards optimizer state, 2 also
+        gradients, 3 also parameters. Refused before launch by a target that cannot run it.
+    :param data_policy, grad_policy, metric_policy, state_policy, shard_policy: see
+        :mod:`polyparallel` policies.
     :param plugin_manager: the plugin manager operations dispatch through (default: the process's
         default manager). Not part of the value: it is neither compared nor pickled.
 
@@ -61,6 +65,7 @@ class Strategy:
     grad_policy: GradPolicy
     metric_policy: MetricPolicy
     state_policy: StatePolicy
+    shard_policy: ShardPolicy
     _pm: PluginManager | None
     _hash: int
     _runtime_hint: str | None  # the runtime chosen by the process that pickled this strategy
@@ -81,6 +86,8 @@ class Strategy:
         grad_policy: GradPolicy | None = None,
         metric_policy: MetricPolicy | None = None,
         state_policy: StatePolicy | Mapping[str, str] | None = None,
+        shard_policy: ShardPolicy | None = None,
+        zero: int | None = None,
         plugin_manager: PluginManager | None = None,
     ):
         sizes = {k: v for k, v in (("data", data), ("tensor", tensor), ("pipeline", pipeline)) if v is not None}
@@ -113,10 +120,21 @@ class Strategy:
             data_policy = dataclasses.replace(data_policy, batch_size=batch_size)
         if state_policy is None or isinstance(state_policy, Mapping):
             state_policy = StatePolicy(state_policy or {})
+        if shard_policy is None:
+            try:
+                shard_policy = ShardPolicy(stage=0 if zero is None else zero)
+            except ValueError as exc:
+                raise TopologyError(str(exc).replace("ShardPolicy.stage", "Strategy(zero=)")) from None
+        elif not isinstance(shard_policy, ShardPolicy):
+            raise TopologyError(f"Strategy(shard_policy=) must be a ShardPolicy. Received: {shard_policy!r}.")
+        elif zero is not None and zero != shard_policy.stage:
+            raise TopologyError(f"Strategy takes zero= or shard_policy=, not two different stages. Received zero={zero!r} "
+                                f"and {shard_policy!r}.")
         values = dict(
             topology=topology, timeout=float(timeout), seed=seed, backend=backend, runtime=runtime,
             data_policy=data_policy, grad_policy=GradPolicy() if grad_policy is None else grad_policy,
             metric_policy=MetricPolicy() if metric_policy is None else metric_policy, state_policy=state_policy,
+            shard_policy=shard_policy,
         )
         for name, kind in (("data_policy", DataPolicy), ("grad_policy", GradPolicy),
                            ("metric_policy", MetricPolicy), ("state_policy", StatePolicy)):
@@ -158,14 +176,21 @@ class Strategy:
         axes = ", ".join(f"{a}={s}" for a, s in self.topology.sizes.items())
         extra = "".join(f", {name}={getattr(self, name)!r}" for name in ("runtime", "backend")
                         if getattr(self, name) is not None)
+        if self.shard_policy.stage:
+            extra += f", zero={self.shard_policy.stage}"
         return f"Strategy({axes}, timeout={self.timeout:g}, seed={self.seed}{extra})"
 
     def replace(self, **changes: Any) -> Strategy:
         """A copy with some fields changed (``topology``, ``timeout``, ``runtime``, a policy, axis
-        sizes, or ``batch_size``)."""
+        sizes, ``batch_size`` or ``zero``)."""
         values = dict(zip(_FIELDS, self._values()))
         if "batch_size" in changes:
             values["batch_size"] = changes.pop("batch_size")
+        if "zero" in changes:
+            if "shard_policy" in changes:
+                raise TopologyError("Strategy.replace() takes zero= or shard_policy=, not both.")
+            values.pop("shard_policy")
+            values["zero"] = changes.pop("zero")
         axes = {a: changes.pop(a) for a in ("data", "tensor", "pipeline") if a in changes}
         if axes and "topology" in changes:
             raise TopologyError(
@@ -232,7 +257,7 @@ class Strategy:
         pm = self.plugin_manager
         if target is None:
             runtime = _routing.require(pm, self)
-            pm.runtimes()[runtime].check(topology)
+            pm.runtimes()[runtime].check(topology, self.shard_policy.stage)
         else:
             if not isinstance(target, str) or not target:
                 raise TypeError(f"check(target=) must be a runtime or adapter name. Received: {target!r}.")
@@ -245,7 +270,7 @@ class Strategy:
                     f"No installed plugin provides the target {target!r}. Known targets: "
                     f"{', '.join(known) or 'none'}.", hint, others))
             if target in runtimes:
-                runtimes[target].check(topology)
+                runtimes[target].check(topology, self.shard_policy.stage)
                 _routing.require(pm, self, {target: f"Strategy.check({target!r})"})
             if target in adapters:
                 self._adapter_strategy(adapters[target], topology)
@@ -256,7 +281,7 @@ class Strategy:
         """Check ``adapter`` can run this strategy; the strategy its factory gets (the same, or
         one whose runtime is pinned to the adapter's when the automatic choice differs)."""
         caps = adapter.capabilities
-        caps.check(topology)
+        caps.check(topology, self.shard_policy.stage)
         if not caps.runtimes:
             return self
         who = f"the adapter {adapter.name!r} (plugin {adapter.plugin!r})"

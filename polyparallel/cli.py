@@ -38,11 +38,13 @@ def cli() -> None:
 @click.option("--runtime", default=None, help="also check the topology against this runtime or adapter "
                                                "(its declared capabilities), as launch does")
 @click.option("--batch-size", type=int, default=None, help="also check that this global batch divides over the data axis")
+@click.option("--zero", type=int, default=0, show_default=True,
+              help="sharding stage over the data axis (0-3); with --runtime, checked against what it runs")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
-def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | None, **sizes: int) -> None:
+def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | None, zero: int, **sizes: int) -> None:
     """Show the rank grid, the groups of every axis and the rank roles."""
     try:
-        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size)
+        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero)
         topology = strategy.topology.resolve(world_size)
         if runtime is not None:
             strategy.check(runtime, world_size=world_size)  # capabilities, runtime, batch size
@@ -51,9 +53,9 @@ def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | 
     except (PolyparallelError, ValueError) as exc:  # policies raise ValueError naming the field
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps({**topology.to_dict(), **({"runtime": runtime} if runtime else {})}, indent=2))
+        click.echo(json.dumps({**topology.to_dict(), "zero": zero, **({"runtime": runtime} if runtime else {})}, indent=2))
         return
-    click.echo(f"{topology!r}  world size {topology.world_size}"
+    click.echo(f"{topology!r}  world size {topology.world_size}" + (f"  zero={zero}" if zero else "")
                + (f"  (runs on {runtime!r})" if runtime else "") + "\n")
     header = ["rank", *AXES, "roles"]
     rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
@@ -112,9 +114,10 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
         return
     rows = [[r["name"], r["version"] or "-", ", ".join(h.removeprefix("polyparallel_") for h in r["hooks"]) or "-",
              ", ".join(r["adapters"]) or "-",
-             "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-"]
+             "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-",
+             "; ".join(f"{c['target']}: {','.join(map(str, c['stages']))}" for c in r["capabilities"]) or "-"]
             for r in records if r["error"] is None]
-    click.echo(_table(["plugin", "version", "hooks", "adapters", "axes"], rows))
+    click.echo(_table(["plugin", "version", "hooks", "adapters", "axes", "stages"], rows))
     if runtimes and not hook_name:
         click.echo("")
         click.echo(_table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [

@@ -57,7 +57,7 @@ def test_to_dict_is_json_ready():
     caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
     d = caps.to_dict()
     assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch",
-                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": []}
+                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": [], "stages": [0]}
     runtime = Capabilities("rt", imports={"torch"}, backends={"nccl", "gloo"}, priority=3).to_dict()
     assert (runtime["imports"], runtime["backends"], runtime["priority"]) == (["torch"], ["gloo", "nccl"], 3)
     assert Capabilities("adapter", runtimes={"torch"}).to_dict()["runtimes"] == ["torch"]
@@ -128,3 +128,19 @@ def test_invalid_runtime_fields(kwargs, message):
 def test_target_must_be_a_name(target):
     with pytest.raises(ValueError, match=r"Capabilities\(target=\) must be a non-empty string\. Received: "):
         Capabilities(target)
+
+
+def test_stages_default_to_replication_and_are_checked():
+    plain = pp.Capabilities("x")
+    assert plain.stages == {0} and plain.to_dict()["stages"] == [0]
+    plain.check(pp.Topology(data=2))
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'x' cannot run sharding stage zero=3: it runs stage\(s\) 0\."):
+        plain.check(pp.Topology(data=2), 3)
+    sharded = pp.Capabilities("y", stages=(0, 1, 3))
+    for stage in (0, 1, 3):
+        sharded.check(pp.Topology(data=2), stage)
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"runs stage\(s\) 0, 1, 3\."):
+        sharded.check(pp.Topology(data=2), 2)
+    for bad in ((), (0, 5), "0", (True,)):
+        with pytest.raises(ValueError, match="stages="):
+            pp.Capabilities("z", stages=bad)

@@ -46,7 +46,7 @@ def test_plan_prints_the_rank_grid_groups_and_roles(python):
 def test_plan_json_is_the_topology_description(python):
     result = run_cli(python, "plan", "--world", "8", "--tensor", "2", "--pipeline", "2", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == Topology(data=2, tensor=2, pipeline=2).to_dict()
+    assert json.loads(result.stdout) == {**Topology(data=2, tensor=2, pipeline=2).to_dict(), "zero": 0}
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -82,7 +82,7 @@ def test_plan_for_a_runtime_that_runs_it(python):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "Topology(pipeline=1, data=2, tensor=2)  world size 4  (runs on 'torch')"
     as_json = json.loads(run_cli(python, "plan", "--world", "4", "--runtime", "torch", "--json").stdout)
-    assert as_json == {**Topology(data=4).to_dict(), "runtime": "torch"}
+    assert as_json == {**Topology(data=4).to_dict(), "zero": 0, "runtime": "torch"}
 
 
 def test_plan_requires_the_world_size(python):
@@ -105,16 +105,16 @@ def test_plugins_json_lists_the_installed_records_plugin(python):
     assert records["adapters"] == ["records"]
     assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records",
                                         "excludes": [], "imports": [], "backends": [], "priority": 0,
-                                        "runtimes": []}]
+                                        "runtimes": [], "stages": [0]}]
 
 
 def test_plugins_table(python):
     result = run_cli(python, "plugins")
     assert result.returncode == 0, result.stderr
     header, rule, *rows = result.stdout.splitlines()
-    assert header.split() == ["plugin", "version", "hooks", "adapters", "axes"]
+    assert header.split() == ["plugin", "version", "hooks", "adapters", "axes", "stages"]
     (records,) = [row for row in rows if row.startswith("records ")]
-    assert records.split() == ["records", "0.1.0", "register_adapters,", "shard_data", "records", "records:", "data"]
+    assert records.split() == ["records", "0.1.0", "register_adapters,", "shard_data", "records", "records:", "data", "records:", "0"]
 
 
 def test_plugins_filtered_by_hook(python):
@@ -206,7 +206,7 @@ def test_the_console_script(python):
     version = python.command(str(script), "--version")
     assert version.stdout.strip() == f"polyparallel, version {pp.__version__}"
     plan = python.command(str(script), "plan", "--world", "4", "--json")
-    assert json.loads(plan.stdout) == Topology(data=4).to_dict()
+    assert json.loads(plan.stdout) == {**Topology(data=4).to_dict(), "zero": 0}
 
 
 # -- launch and demo around their hooks (in-process) ------------------------------------------------------------

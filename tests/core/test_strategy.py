@@ -439,3 +439,14 @@ def test_rank_and_world_size_come_from_the_session(manager, monkeypatch):
 
 def test_the_default_plugin_manager():
     assert Strategy().plugin_manager is pp.get_plugin_manager()
+
+
+def test_zero_is_a_value_field_with_a_policy_shortcut():
+    s = Strategy(data=2, zero=3)
+    assert s.shard_policy == pp.ShardPolicy(stage=3)
+    assert s == Strategy(data=2, shard_policy=pp.ShardPolicy(stage=3)) != Strategy(data=2)
+    assert Strategy(data=2).shard_policy.stage == 0 and "zero" not in repr(Strategy(data=2))
+    assert "zero=3" in repr(s)
+    assert pickle.loads(pickle.dumps(s)) == s
+    assert s.replace(zero=1).shard_policy.stage == 1 and s.replace(data=4).shard_policy.stage == 3
+    assert Strategy(data=2, zero=2, shard_policy=pp.ShardPolicy(stage=2)).shard_policy.stage == 2
