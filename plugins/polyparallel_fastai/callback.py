@@ -57,6 +57,10 @@ class LocalSmoothLoss(AvgSmoothLoss):
     unbounded ``torch.distributed.all_gather`` whenever ``WORLD_SIZE`` > 1). The callback makes
     the values global once per epoch instead (``after_train``)."""
 
+    count: int
+    val: torch.Tensor
+    beta: float
+
     def accumulate(self, learn: Any) -> None:
         self.count += 1
         self.val = torch.lerp(to_detach(learn.loss.mean(), gather=False), self.val, self.beta)
@@ -175,7 +179,8 @@ class ParallelCallback(Callback):
         state.loaders = {}
         if recorder is not None and type(recorder.smooth_loss) is AvgSmoothLoss:
             state.smooth = recorder.smooth_loss
-            recorder.smooth_loss = LocalSmoothLoss(beta=state.smooth.beta)
+            # Through __dict__: a Callback's setattr warns about the Learner's `smooth_loss`.
+            recorder.__dict__["smooth_loss"] = LocalSmoothLoss(beta=state.smooth.beta)
 
     def before_train(self) -> None:
         self.learn.dl = self._shard(self.learn.dl, train=True)
@@ -229,7 +234,7 @@ class ParallelCallback(Callback):
         if state.smooth is not None and recorder is not None:
             # The recorder keeps fastai's own object, carrying the global value of this fit.
             state.smooth.count, state.smooth.val = recorder.smooth_loss.count, recorder.smooth_loss.val
-            recorder.smooth_loss = state.smooth
+            recorder.__dict__["smooth_loss"] = state.smooth
         object.__setattr__(self, "_state", _FitState())
 
     # -- helpers ----------------------------------------------------------------------------------------------
