@@ -21,6 +21,8 @@ OUT=benchmarks/results/latest.md
     timeout -k 10 1200 python benchmarks/bench_lightning.py "${QUICK[@]}" --json benchmarks/results/lightning.json
     echo '```'; echo; echo '## Ignite adapter'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_ignite.py "${QUICK[@]}" --json benchmarks/results/ignite.json
+    echo '```'; echo; echo '## fastai adapter'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_fastai.py "${QUICK[@]}" --json benchmarks/results/fastai.json
     echo '```'; echo; echo '## JAX Model.fit'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_jax.py "${QUICK[@]}" --json benchmarks/results/jax.json
     echo '```'

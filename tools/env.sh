@@ -18,6 +18,18 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     # "torch>=2.13,<2.14" are then satisfied and download nothing.
     "${PIP[@]}" "torch==2.13.0"
     "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
+    # fastai requires torchvision, and PyPI's torchvision is built against PyPI's CUDA torch: next
+    # to the CPU wheel above its operators cannot load, and importing it raises ("operator
+    # torchvision::nms does not exist") — which breaks `import pytorch_lightning` (torchmetrics
+    # imports torchvision when it is installed). polyparallel uses fastai's basics, tabular and
+    # text parts, which never import torchvision, so a torchvision that cannot load is removed;
+    # one that matches the installed torch (e.g. both from PyPI) is kept.
+    if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1 \
+        && "$VENV/bin/python" -m pip show -q torchvision >/dev/null 2>&1; then
+        echo "tools/env.sh: removing torchvision: it does not load against this torch (fastai.vision needs a" \
+             "torchvision built for the installed torch; polyparallel does not)" >&2
+        "$VENV/bin/python" -m pip uninstall -y -q torchvision
+    fi
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,347 @@
+"""The fastai adapter: ``strategy.adapt("fastai")`` is a fastai ``Callback``.
+
+Add it to a ``Learner`` like any callback (``Learner(..., cbs=cb)``, ``learn.add_cb(cb)`` or
+``with cb.distrib_ctx(learn):``). It replaces fastai's ``DistributedTrainer``/``distrib_ctx``,
+which need ``accelerate`` and CUDA, with the strategy's five operations only — no
+``torch.distributed`` call of its own — so it runs unchanged on every runtime the capabilities
+name (torch gloo/nccl processes, XLA devices):
+
+=====================  ==========================================================================
+event                  what the callback does
+=====================  ==========================================================================
+``before_fit``         checks the metrics (refused before any collective if one cannot be made
+                       global); ``learn.model = strategy.wrap_model(model)`` (DDP over the data
+                       group on torch; the device the runtime chose)
+``before_train``       ``learn.dl`` becomes ``strategy.shard_data(dl)`` (global batch, shuffled
+                       from ``(seed, learn.epoch)``, every rank the same number of batches)
+``before_step``        ``strategy.sync_grads(model)`` where the wrapper did not reduce gradients
+                       in backward (not DDP: XLA, ...)
+``after_train``        the recorder's smooth training loss (``learn.recorder.losses``,
+                       ``learn.smooth_loss``) and training metrics become the global ones
+``before_validate``    ``strategy.sync_states(model)`` (``StatePolicy``: BatchNorm statistics
+                       averaged, ...), ``learn.dl`` sharded ``uneven`` (each sample once)
+``after_validate``     the valid loss and every metric become the global values, count-weighted
+                       (:mod:`polyparallel_fastai.metrics`), before the recorder prints them
+``after_fit``          ``learn.model`` is the user's module again; nothing else stays changed
+=====================  ==========================================================================
+
+``learn.get_preds`` is not sharded: every rank predicts every sample, so it returns all the
+predictions in the loader's order, as in one process.
+
+While attached, ``learn.save`` and ``learn.load`` are the callback's :meth:`~ParallelCallback.save`
+and :meth:`~ParallelCallback.load` (collective: call them on every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastai.callback.core import Callback, GatherPredsCallback
+from fastai.learner import AvgSmoothLoss, Learner
+from fastai.torch_core import find_bs, to_detach
+
+import polyparallel as pp
+
+from . import metrics as _metrics
+from .data import is_fastai_loader, local_to_detach
+
+__all__ = ["ParallelCallback", "LocalSmoothLoss"]
+
+
+class LocalSmoothLoss(AvgSmoothLoss):
+    """fastai's ``AvgSmoothLoss`` without its world-wide gather of every batch's loss (an
+    unbounded ``torch.distributed.all_gather`` whenever ``WORLD_SIZE`` > 1). The callback makes
+    the values global once per epoch instead (``after_train``)."""
+
+    count: int
+    val: torch.Tensor
+    beta: float
+
+    def accumulate(self, learn: Any) -> None:
+        self.count += 1
+        self.val = torch.lerp(to_detach(learn.loss.mean(), gather=False), self.val, self.beta)
+
+
+def _is_ddp(model: Any) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+class ParallelCallback(Callback):
+    """A fastai callback that runs a ``Learner`` under a :class:`polyparallel.Strategy` (data axis).
+
+    Build it with ``strategy.adapt("fastai")``; see the module docstring for what each event does.
+    A ``Learner`` with this callback is collective: ``fit``, ``validate``, ``save`` and ``load``
+    must run on every rank of the data group, with the same metrics.
+    """
+
+    # After TrainEvalCallback (-10: it moves the model to the loaders' device before we wrap),
+    # after GradientAccumulation (6: a step it cancels must not sync), before MixedPrecision (10:
+    # it steps the optimizer in its before_step) and before the Recorder (50: it reads metrics).
+    order = 8
+
+    def __init__(self, strategy: pp.Strategy):
+        super().__init__()
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "_state", _FitState())
+
+    def __repr__(self) -> str:
+        return f"ParallelCallback({self.strategy!r})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # fastai sets `learn` when the callback is added (None when removed): learn.save/load are
+        # ours exactly while attached, and restored to the Learner's own afterwards.
+        if name == "learn":
+            old = self.__dict__.get("learn")
+            if old is not None and old is not value:
+                _uninstall(old, self)
+            object.__setattr__(self, name, value)
+            if value is not None:
+                _install(value, self)
+            return
+        object.__setattr__(self, name, value)  # fastai's warning about shadowing learner attributes is moot here
+
+    # -- what a user may call ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def distrib_ctx(self, learn: Learner) -> Iterator[Learner]:
+        """``with cb.distrib_ctx(learn):`` — the callback attached for the block (fastai's
+        ``learn.distrib_ctx()`` without ``accelerate``)."""
+        learn.add_cb(self)
+        try:
+            yield learn
+        finally:
+            learn.remove_cb(self)
+
+    @property
+    def session(self) -> pp.Session:
+        """This process's :class:`polyparallel.Session`."""
+        return self.strategy.session()
+
+    def save(self, file: str | Path, with_opt: bool = True, pickle_protocol: int = 2) -> Path:
+        """``learn.save``: written once, by the rank with the ``checkpoint`` role, to
+        ``learn.path/learn.model_dir/file.pth`` in fastai's format (``learn.load`` and
+        ``load_model`` read it). Collective: every rank returns once the file is complete, or
+        raises if the writing rank failed."""
+        from fastai.learner import join_path_file
+
+        learn = self._learner("save")
+        path = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
+        error: BaseException | None = None
+        if "checkpoint" in self.session.roles:
+            try:
+                _write(path, learn, with_opt, pickle_protocol)
+            except Exception as exc:  # reported to every rank below, then re-raised here
+                error = exc
+        # A barrier that also says whether the file was written (0 on a failed writer).
+        written = _metrics.summing(self.strategy).reduce_metrics({"fastai.save.failed": float(error is not None)})
+        if error is not None:
+            raise error
+        if written["fastai.save.failed"]:
+            raise RuntimeError(f"learn.save({str(file)!r}): the checkpoint rank failed to write {path}; see its error.")
+        return path
+
+    def load(self, file: str | Path, device: Any = None, with_opt: bool = True, strict: bool = True) -> Learner:
+        """``learn.load``: every rank reads the file the checkpoint rank wrote (after a barrier,
+        as fastai's own ``load``, which waits on the whole ``torch.distributed`` world instead),
+        onto the device of its model (``device=`` to override)."""
+        from fastai.learner import join_path_file, load_model
+
+        learn = self._learner("load")
+        if learn.opt is None:
+            learn.create_opt()
+        path = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
+        _metrics.summing(self.strategy).reduce_metrics({"fastai.load.barrier": 1.0})
+        # Read onto the CPU; load_state_dict copies into the parameters wherever they live.
+        load_model(path, learn.model, learn.opt, with_opt=with_opt, device="cpu" if device is None else device,
+                   strict=strict)
+        return learn
+
+    def _learner(self, what: str) -> Learner:
+        learn = self.__dict__.get("learn")
+        if learn is None:
+            raise RuntimeError(f"ParallelCallback.{what}(): add the callback to a Learner first (learn.add_cb(cb)).")
+        return learn
+
+    # -- fastai events ----------------------------------------------------------------------------------------
+    def before_fit(self) -> None:
+        learn, state = self.learn, self._state
+        recorder = getattr(learn, "recorder", None)
+        _metrics.check_supported(list(learn.metrics))  # before any collective, alike on every rank
+        if _is_ddp(learn.model):
+            raise TypeError("the fastai adapter wraps the model itself (strategy.wrap_model); the Learner's model is "
+                            "already DistributedDataParallel: give the Learner the bare module.")
+        state.inner = learn.model
+        learn.model = self.strategy.wrap_model(learn.model)
+        state.reduces_in_backward = _is_ddp(learn.model)
+        state.loaders = {}
+        if recorder is not None and type(recorder.smooth_loss) is AvgSmoothLoss:
+            state.smooth = recorder.smooth_loss
+            # Through __dict__: a Callback's setattr warns about the Learner's `smooth_loss`.
+            recorder.__dict__["smooth_loss"] = LocalSmoothLoss(beta=state.smooth.beta)
+
+    def before_train(self) -> None:
+        self.learn.dl = self._shard(self.learn.dl, train=True)
+        smooth = self._smooth()
+        state = self._state
+        state.losses, state.sizes = [], []
+        state.smooth_start = (smooth.count, smooth.val.clone()) if smooth is not None else None
+
+    def after_batch(self) -> None:
+        if self.training and len(self.learn.yb):
+            self._state.losses.append(to_detach(self.learn.loss.mean(), cpu=False, gather=False))
+            self._state.sizes.append(find_bs(self.learn.yb))
+
+    def before_step(self) -> None:
+        if not self._state.reduces_in_backward:
+            self.strategy.sync_grads(self.learn.model)
+
+    def after_train(self) -> None:
+        state, recorder = self._state, getattr(self.learn, "recorder", None)
+        if recorder is None:
+            return
+        train_metrics = list(recorder._train_mets[1:]) if recorder.train_metrics else []
+        n = len(state.losses)
+        losses = torch.stack(state.losses).detach().double().cpu() if n else torch.zeros(0, dtype=torch.float64)
+        sizes = torch.tensor(state.sizes, dtype=torch.float64)
+        extra = {"loss_sums": losses * sizes, "sizes": sizes} if n else {}
+        summed = _metrics.reduce_states(self.strategy, train_metrics, extra)
+        smooth = self._smooth()
+        if n and smooth is not None and state.smooth_start is not None:
+            global_losses = (summed["loss_sums"] / summed["sizes"]).to(smooth.val.dtype)
+            _replay_smooth_loss(smooth, state.smooth_start, global_losses, recorder, self.learn)
+
+    def before_validate(self) -> None:
+        self.strategy.sync_states(self.learn.model)  # one model for every rank's share of the metrics
+        # get_preds (a GatherPredsCallback) returns every prediction, in the loader's order, on
+        # every rank: its loader is not sharded, and what it computes is global already.
+        self._state.whole = any(isinstance(cb, GatherPredsCallback) for cb in self.learn.cbs)
+        if not self._state.whole:
+            self.learn.dl = self._shard(self.learn.dl, train=False)
+
+    def after_validate(self) -> None:
+        recorder = getattr(self.learn, "recorder", None)
+        if recorder is not None and not self._state.whole:
+            _metrics.reduce_states(self.strategy, list(recorder._valid_mets))
+
+    def after_fit(self) -> None:
+        learn, state = self.learn, self._state
+        if state.inner is not None:
+            learn.model = state.inner
+        recorder = getattr(learn, "recorder", None)
+        if state.smooth is not None and recorder is not None:
+            # The recorder keeps fastai's own object, carrying the global value of this fit.
+            state.smooth.count, state.smooth.val = recorder.smooth_loss.count, recorder.smooth_loss.val
+            recorder.__dict__["smooth_loss"] = state.smooth
+        object.__setattr__(self, "_state", _FitState())
+
+    # -- helpers ----------------------------------------------------------------------------------------------
+    def _smooth(self) -> Any:
+        recorder = getattr(self.learn, "recorder", None)
+        return recorder.smooth_loss if recorder is not None and isinstance(recorder.smooth_loss, LocalSmoothLoss) else None
+
+    def _shard(self, dl: Any, train: bool) -> Any:
+        """``dl`` sharded (once per fit, then reused), its epoch set from ``learn.epoch``."""
+        loaders = self._state.loaders
+        if dl is None:
+            return dl
+        if id(dl) in loaders and loaders[id(dl)][0] is dl:
+            sharded = loaders[id(dl)][1]
+        elif any(entry[1] is dl for entry in loaders.values()):
+            sharded = dl  # already ours
+        else:
+            sharded = self._make_shard(dl, train)
+            loaders[id(dl)] = (dl, sharded)
+        epoch = getattr(self.learn, "epoch", 0) if train else 0
+        if hasattr(sharded, "set_epoch"):
+            sharded.set_epoch(int(epoch))
+        elif hasattr(getattr(sharded, "sampler", None), "set_epoch"):
+            sharded.sampler.set_epoch(int(epoch))
+        return sharded
+
+    def _make_shard(self, dl: Any, train: bool) -> Any:
+        policy = self.strategy.data_policy
+        topology = self.session.topology
+        if train:
+            overrides: dict[str, Any] = {}
+            if policy.remainder == "uneven":
+                lengths = {pp.shard_length(_length(dl), r, topology.size("data"), "uneven")
+                           for r in range(topology.size("data"))}
+                if len(lengths) > 1:
+                    raise pp.TopologyError(
+                        f"DataPolicy(remainder='uneven') gives the data ranks {sorted(lengths)} training samples of "
+                        f"{_length(dl)}: they would run different numbers of steps and wait on each other. Use "
+                        "remainder='pad' (the default) or 'drop' for training; validation is always 'uneven'.")
+        else:
+            overrides = {"remainder": "uneven"}  # every validation sample on exactly one data rank
+        sharded = self.strategy.shard_data(dl, **overrides)
+        if not is_fastai_loader(sharded):
+            # A torch DataLoader inside fastai DataLoaders: metrics must not gather over the world.
+            sharded.to_detach = local_to_detach
+        return sharded
+
+
+class _FitState:
+    """What the callback holds during one ``fit`` (or ``validate``); reset by ``after_fit``."""
+
+    def __init__(self) -> None:
+        self.inner: Any = None
+        self.reduces_in_backward = False
+        self.whole = False  # this validation runs on every sample (get_preds): nothing to reduce
+        self.loaders: dict[int, tuple[Any, Any]] = {}
+        self.smooth: Any = None
+        self.smooth_start: tuple[int, torch.Tensor] | None = None
+        self.losses: list[torch.Tensor] = []
+        self.sizes: list[int] = []
+
+
+def _length(dl: Any) -> int:
+    n = getattr(dl, "n", None)
+    return int(n) if n is not None else len(dl.dataset)
+
+
+def _replay_smooth_loss(smooth: Any, start: tuple[int, torch.Tensor], losses: torch.Tensor, recorder: Any,
+                        learn: Any) -> None:
+    """Recompute the epoch's smoothed losses from the global per-batch losses, exactly as
+    ``AvgSmoothLoss`` would have in one process, and put them where the recorder keeps them."""
+    count, val = start
+    values = []
+    for loss in losses:
+        count += 1
+        val = torch.lerp(loss, val, smooth.beta)
+        values.append(val / (1 - smooth.beta ** count))
+    smooth.count, smooth.val = count, val
+    n = len(values)
+    if n and len(recorder.losses) >= n:
+        recorder.losses[-n:] = values
+        learn.smooth_loss = values[-1]
+
+
+def _install(learn: Any, cb: ParallelCallback) -> None:
+    learn.save, learn.load = cb.save, cb.load
+
+
+def _uninstall(learn: Any, cb: ParallelCallback) -> None:
+    for name in ("save", "load"):
+        bound = learn.__dict__.get(name)
+        if getattr(bound, "__self__", None) is cb:
+            del learn.__dict__[name]
+
+
+def _write(path: Path, learn: Any, with_opt: bool, pickle_protocol: int) -> None:
+    # fastai's save_model, without its `RANK` environment check (replica threads of an XLA
+    # process share one environment; the session's roles decide who writes), on the CPU.
+    from fastai.torch_core import get_model
+
+    state: Any = get_model(_unwrapped(learn.model)).state_dict()
+    opt = getattr(learn, "opt", None)
+    if with_opt and opt is not None:
+        state = {"model": state, "opt": opt.state_dict()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(to_detach(state, cpu=True, gather=False), path, pickle_protocol=pickle_protocol)
+
+
+def _unwrapped(model: Any) -> Any:
+    return model.module if _is_ddp(model) else model
