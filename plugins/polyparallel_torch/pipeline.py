@@ -6,12 +6,15 @@ balanced by parameter count, or at ``split_points=``; stages keep the original c
 over the runtime's ``pipeline`` group and runs it with ``ScheduleGPipe``; the loss is computed on
 the last stage only. Every rank calls the same ``train_step(x, y)`` with the same batch (ranks
 along the pipeline axis get identical batches from ``shard_data``); the model hands the inputs to
-the first stage and the targets to the last. With ``data > 1`` each rank's stage module is wrapped over the data group,
-as torchtitan does — in ``DistributedDataParallel`` at zero=0/1 (the schedule skips the all-reduce
-on all micro-batches but the last), in FSDP2 at zero=2/3 (units kept gathered between forward and
-backward, ``reshard_after_forward=False``, as torchtitan does with pipelines; the schedule
-reduce-scatters once after the last micro-batch) — so the gradients are averaged in backward by
-torch and ``strategy.sync_grads(model)`` is a no-op (an identity check only). Every send/receive is bounded by the
+the first stage and the targets to the last. With ``data > 1`` at zero=2/3 each rank's stage module is
+wrapped in FSDP2 over the data group, as torchtitan does (units kept gathered between forward and
+backward, ``reshard_after_forward=False``; the schedule reduce-scatters once after the last
+micro-batch), and ``strategy.sync_grads(model)`` is a no-op (an identity check only). At zero=0/1
+the stage's parameters are broadcast over the data group and its replicas average their
+gradients with ``strategy.sync_grads(model)``: not DDP, because DDP's reducer, driven by the
+schedule's per-micro-batch backward, fails its bucket rebuild on the second step with more than
+one micro-batch ("rebuilt parameter indices size is not same as original model parameters size",
+torch 2.13), and ``static_graph=True`` runs but gives wrong gradients. Every send/receive is bounded by the
 group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank; each step
 starts with the runtime's identity check over the pipeline group, so a stage that runs another
 step (an evaluation while its peers train, another batch size) fails at once naming both sides.
@@ -82,10 +85,10 @@ class PipelineModel(nn.Module):
     :param runtime: the strategy's torch runtime (groups, device, bounded collectives).
     :param microbatches: GPipe micro-batches per step (each batch is split along dim 0).
 
-    :param runner: the module the schedule runs: ``stage`` in ``DistributedDataParallel`` over the
-        data group (not registered here, so ``state_dict`` keys stay the stage's), or ``stage``.
+    :param runner: the module the schedule runs, when not ``stage`` itself (a wrapper that is not
+        registered here, so ``state_dict`` keys stay the stage's).
     :param data_parallel: how the stage's replicas over ``data`` reduce their gradients in
-        backward: ``"ddp"``, ``"fsdp"``, or ``None`` (no replicas, or the caller syncs them).
+        backward: ``"fsdp"``, or ``None`` (no replicas, or ``strategy.sync_grads`` reduces them).
     """
 
     def __init__(self, stage: nn.Module, runtime: Any, microbatches: int = 1,
@@ -204,10 +207,10 @@ def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str
 
 def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any], strategy: pp.Strategy) -> PipelineModel:
     """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`):
-    the stage cut from ``model`` (or taken from ``stages=``); with ``data > 1`` wrapped over the
-    data group in DDP (zero=0/1) or FSDP2 (zero=2/3), each of which makes the replicas of a stage
-    start from data rank 0's values."""
-    from .model import wrap_ddp
+    the stage cut from ``model`` (or taken from ``stages=``); with ``data > 1`` sharded by FSDP2
+    over the data group (zero=2/3) or broadcast over it (zero=0/1), so that the replicas of a
+    stage start from data rank 0's values."""
+    from .model import broadcast_over_data
     from .sharding import shard_module
 
     topology = runtime.topology
@@ -218,6 +221,6 @@ def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any], strat
         runner = stage = shard_module(stage, runtime, strategy.shard_policy.stage, options, pipelined=True)
         data_parallel = "fsdp"
     elif topology.size("data") > 1:
-        runner, data_parallel = wrap_ddp(stage, runtime, options, strategy), "ddp"
+        broadcast_over_data(stage, runtime)  # then strategy.sync_grads(model) (see the module docstring)
     return PipelineModel(stage, runtime, options.get("microbatches", topology.size("pipeline")),
                          options.get("loss_fn"), runner=runner, data_parallel=data_parallel)
