@@ -162,6 +162,7 @@ def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> i
 
 @hookimpl
 def polyparallel_register_demos(register: Any) -> None:
-    from .demo import run_demo
+    from .demo import run_demo, run_demo_zero3
 
     register("torch", run_demo)
+    register("torch-zero3", run_demo_zero3)
