@@ -112,7 +112,7 @@ def _four_process_worker():
 def _assert_equal(params: dict, ref: dict, what: str) -> None:
     assert set(params) == set(ref), what
     for name, value in params.items():
-        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}, {name}: {m}")
+        torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{what}, {name}: {m}")
 
 
 def _report_memory(memory: dict, data: int) -> None:
