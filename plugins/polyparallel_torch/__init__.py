@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "default_plan"]
+__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "default_plan", "make_optimizer",
+           "save_checkpoint", "load_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +24,12 @@ def __getattr__(name: str) -> Any:
     if name in ("full_state", "default_plan"):
         from . import model
         return getattr(model, name)
+    if name == "make_optimizer":
+        from .sharding import make_optimizer
+        return make_optimizer
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
     if name == "TopologySampler":
         from .data import TopologySampler
         return TopologySampler

@@ -1,4 +1,5 @@
-"""The torch entry of ``polyparallel demo``: a plain PyTorch loop driven by the Strategy."""
+"""The torch entries of ``polyparallel demo``: a plain PyTorch loop driven by the Strategy, as given
+(``torch``: DDP) and at sharding stage 3 (``torch-zero3``: FSDP2 over the data axis)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
 
-__all__ = ["run_demo", "train_digits"]
+__all__ = ["run_demo", "run_demo_zero3", "train_digits"]
 
 
 def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
@@ -31,7 +32,9 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
         plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     model = strategy.wrap_model(model, **({"plan": plan} if plan else {}))
     loader = strategy.shard_data(train, batch_size=p.global_batch, remainder="pad")
-    opt = torch.optim.SGD(model.parameters(), lr=p.lr, momentum=p.momentum)
+    from .sharding import make_optimizer
+
+    opt = make_optimizer(strategy, model, torch.optim.SGD, lr=p.lr, momentum=p.momentum)
     step_times, last = [], pp.Mean(0.0, 0)
     for _ in range(p.epochs):
         total, count = 0.0, 0
@@ -62,4 +65,11 @@ def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:
     """``polyparallel demo`` entry: launch ``nprocs`` processes, return the table row."""
     results = pp.launch(train_digits, strategy, nprocs, args=(strategy,), runtime="torch", timeout=600)
     row = results[strategy.topology.resolve(nprocs).ranks_with_role("logger")[0]]
-    return {"framework": "pytorch (plain loop)", "topology": repr(strategy.topology.resolve(nprocs)), **row}
+    stage = strategy.shard_policy.stage
+    framework = "pytorch (plain loop)" + (f", zero={stage} (FSDP2)" if stage >= 2 else f", zero={stage}" if stage else "")
+    return {"framework": framework, "topology": repr(strategy.topology.resolve(nprocs)), **row}
+
+
+def run_demo_zero3(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:
+    """``polyparallel demo`` entry ``torch-zero3``: the same loop at sharding stage 3 (FSDP2)."""
+    return run_demo(strategy.replace(zero=3), nprocs)

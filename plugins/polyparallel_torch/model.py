@@ -1,14 +1,18 @@
-"""``wrap_model`` for torch: tensor parallel (DTensor plans), then DDP over the data group.
+"""``wrap_model`` for torch: tensor parallel (DTensor plans), then DDP or FSDP2 over the data group.
 
 - ``tensor > 1``: ``torch.distributed.tensor.parallel.parallelize_module`` over the tensor
   sub-mesh, with the user's ``plan=`` or, for an ``nn.Sequential`` of ``nn.Linear`` layers, the
   Megatron default (:func:`default_plan`): consecutive Linear layers alternate column- then
   row-parallel, so activations between a pair stay sharded and one all-reduce closes each pair.
 - ``pipeline > 1``: an ``nn.Sequential`` cut into stages on ``torch.distributed.pipelining``
-  (:mod:`polyparallel_torch.pipeline`); data parallelism over it is ``sync_grads``.
+  (:mod:`polyparallel_torch.pipeline`); with ``data > 1`` each stage module is sharded by FSDP2
+  over the data group at zero=2/3, and reduced by ``sync_grads`` at zero=0/1 (pipeline.py says why
+  not DDP).
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op). Never DataParallel.
-- ``data > 1`` with ``tensor > 1``: the tensor-parallel module is returned as is, its parameters
+- ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the
+  mesh, after the tensor plan (:mod:`polyparallel_torch.sharding`); ``sync_grads`` is a no-op.
+- ``data > 1`` with ``tensor > 1`` at zero=0: the tensor-parallel module is returned as is, its parameters
   broadcast over the data group, and ``strategy.sync_grads(model)`` reduces the local gradient
   shards over the data group in flat buckets. Why not DDP here: torch's DDP+TP bridge
   (``_pre_dp_module_transform``) swaps DTensor parameters for plain attributes after the first
@@ -27,7 +31,8 @@ import polyparallel as pp
 
 from .runtime import TorchRuntime
 
-__all__ = ["default_plan", "validate", "wrap_module", "is_ddp", "unwrap", "full_state", "broadcast_over_data"]
+__all__ = ["default_plan", "validate", "wrap_module", "wrap_ddp", "is_ddp", "unwrap", "full_state",
+           "broadcast_over_data"]
 
 
 def is_ddp(model: Any) -> bool:
@@ -85,15 +90,21 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
                 )
 
 
-def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any]) -> dict[str, Any]:
+def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], stage: int = 0) -> dict[str, Any]:
     """Check the options and the plan against the model *before* any process group exists;
     return the options with the tensor plan resolved (the default plan when none is given)."""
-    unknown = set(options) - {"plan", "ddp_kwargs", "loss_fn", "microbatches", "split_points", "stages"}
+    from .sharding import is_fsdp, validate_sharding
+
+    unknown = set(options) - {"plan", "ddp_kwargs", "fsdp_kwargs", "shard_modules", "loss_fn", "microbatches",
+                              "split_points", "stages"}
     if unknown:
         raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=, "
-                        "and for pipeline>1 loss_fn=, microbatches=, split_points= or stages=.")
-    if is_ddp(model):
-        raise TypeError("wrap_model() got a model that is already DistributedDataParallel; pass the bare module.")
+                        "at zero=2/3 fsdp_kwargs= and shard_modules=, and for pipeline>1 loss_fn=, microbatches=, "
+                        "split_points= or stages=.")
+    if is_ddp(model) or is_fsdp(model):
+        raise TypeError(f"wrap_model() got a model that is already {type(model).__name__} (DDP or fully_shard); "
+                        "pass the bare module.")
+    validate_sharding(model, topology, stage, options)
     if topology.size("pipeline") > 1:
         from .pipeline import validate_pipeline
 
@@ -111,33 +122,43 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], str
     data parallelism over the data group (bucket sizes from ``strategy.grad_policy``)."""
     rt.ensure_usable("wrap_model", "data")
     topology = rt.topology
+    stage = strategy.shard_policy.stage
     bucket_bytes = strategy.grad_policy.bucket_bytes()
     if topology.size("pipeline") > 1:
         from .pipeline import wrap_pipeline
 
-        return wrap_pipeline(model, rt, options)
+        return wrap_pipeline(model, rt, options, strategy)
     model = model.to(rt.device)
     if topology.size("tensor") > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
         model = parallelize_module(model, rt.submesh("tensor"), options["plan"])
     # A plan with tensor=1 is legal (the same script runs on any topology): nothing to shard.
-    if topology.size("data") > 1 and topology.size("tensor") > 1:
+    if topology.size("data") > 1 and stage >= 2:
+        from .sharding import shard_module
+
+        model = shard_module(model, rt, stage, options)
+    elif topology.size("data") > 1 and topology.size("tensor") > 1:
         broadcast_over_data(model, rt, bucket_bytes)
     elif topology.size("data") > 1:
-        kwargs = dict(options.get("ddp_kwargs") or {})
-        if rt.device.type == "cuda":
-            kwargs.setdefault("device_ids", [rt.device.index])
-        if strategy.grad_policy.bucket_mb is not None:
-            # Only when asked: passing DDP's own default explicitly drops its small first bucket,
-            # and with it the overlap of the first all-reduce with backward (10-20% slower here).
-            kwargs.setdefault("bucket_cap_mb", strategy.grad_policy.bucket_mb)
-        # process_group=, not device_mesh=: given a sliced mesh, DDP installs its DTensor bridge
-        # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
-        operation = "wrap_model (DDP parameter broadcast)"
-        with rt.operation(operation, "data", _shapes(model)), rt.collective(operation, "data"):
-            model = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+        model = wrap_ddp(model, rt, options, strategy)
     return model
+
+
+def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
+    """``model`` (on the device) in DistributedDataParallel over the data group."""
+    kwargs = dict(options.get("ddp_kwargs") or {})
+    if rt.device.type == "cuda":
+        kwargs.setdefault("device_ids", [rt.device.index])
+    if strategy.grad_policy.bucket_mb is not None:
+        # Only when asked: passing DDP's own default explicitly drops its small first bucket,
+        # and with it the overlap of the first all-reduce with backward (10-20% slower here).
+        kwargs.setdefault("bucket_cap_mb", strategy.grad_policy.bucket_mb)
+    # process_group=, not device_mesh=: given a sliced mesh, DDP installs its DTensor bridge
+    # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
+    operation = "wrap_model (DDP parameter broadcast)"
+    with rt.operation(operation, "data", _shapes(model)), rt.collective(operation, "data"):
+        return nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
 
 
 def broadcast_over_data(model: nn.Module, rt: TorchRuntime, bucket_bytes: int | None = None) -> None:

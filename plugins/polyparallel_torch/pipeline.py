@@ -6,8 +6,15 @@ balanced by parameter count, or at ``split_points=``; stages keep the original c
 over the runtime's ``pipeline`` group and runs it with ``ScheduleGPipe``; the loss is computed on
 the last stage only. Every rank calls the same ``train_step(x, y)`` with the same batch (ranks
 along the pipeline axis get identical batches from ``shard_data``); the model hands the inputs to
-the first stage and the targets to the last. Replicas of a stage over the data axis average
-their gradients with ``strategy.sync_grads(model)``. Every send/receive is bounded by the
+the first stage and the targets to the last. With ``data > 1`` at zero=2/3 each rank's stage module is
+wrapped in FSDP2 over the data group, as torchtitan does (units kept gathered between forward and
+backward, ``reshard_after_forward=False``; the schedule reduce-scatters once after the last
+micro-batch), and ``strategy.sync_grads(model)`` is a no-op (an identity check only). At zero=0/1
+the stage's parameters are broadcast over the data group and its replicas average their
+gradients with ``strategy.sync_grads(model)``: not DDP, because DDP's reducer, driven by the
+schedule's per-micro-batch backward, fails its bucket rebuild on the second step with more than
+one micro-batch ("rebuilt parameter indices size is not same as original model parameters size",
+torch 2.13), and ``static_graph=True`` runs but gives wrong gradients. Every send/receive is bounded by the
 group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank; each step
 starts with the runtime's identity check over the pipeline group, so a stage that runs another
 step (an evaluation while its peers train, another batch size) fails at once naming both sides.
@@ -77,14 +84,22 @@ class PipelineModel(nn.Module):
     :param stage: this rank's stage module (parameters and buffers of this stage only).
     :param runtime: the strategy's torch runtime (groups, device, bounded collectives).
     :param microbatches: GPipe micro-batches per step (each batch is split along dim 0).
+
+    :param runner: the module the schedule runs, when not ``stage`` itself (a wrapper that is not
+        registered here, so ``state_dict`` keys stay the stage's).
+    :param data_parallel: how the stage's replicas over ``data`` reduce their gradients in
+        backward: ``"fsdp"``, or ``None`` (no replicas, or ``strategy.sync_grads`` reduces them).
     """
 
     def __init__(self, stage: nn.Module, runtime: Any, microbatches: int = 1,
-                 loss_fn: Callable[..., torch.Tensor] | None = None):
+                 loss_fn: Callable[..., torch.Tensor] | None = None, runner: nn.Module | None = None,
+                 data_parallel: str | None = None):
         super().__init__()
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive int. Received: {microbatches!r}.")
         self.stage = stage.to(runtime.device)
+        self.data_parallel = data_parallel
+        self._runner = [runner if runner is not None else self.stage]  # a list: not a registered submodule
         self.runtime = runtime
         self.microbatches = microbatches
         self.stage_index = runtime.session.coords["pipeline"]
@@ -111,7 +126,7 @@ class PipelineModel(nn.Module):
                 raise pp.TopologyError(
                     f"a batch of {batch} samples does not split into microbatches={self.microbatches}; use a "
                     "per-rank batch size that is a multiple of it (evaluation: DataPolicy remainder='drop' or pad).")
-            stage = PipelineStage(self.stage, self.stage_index, self.num_stages, self.runtime.device,
+            stage = PipelineStage(self._runner[0], self.stage_index, self.num_stages, self.runtime.device,
                                   group=self.runtime.group("pipeline"))
             loss_fn = self._loss_fn if training else None
             self._schedules[key] = ScheduleGPipe(stage, self.microbatches, loss_fn=loss_fn)
@@ -190,16 +205,22 @@ def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str
     split_sequential(model, stages, options.get("split_points"))
 
 
-def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any]) -> PipelineModel:
+def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any], strategy: pp.Strategy) -> PipelineModel:
     """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`):
-    the stage cut from ``model`` (or taken from ``stages=``), its parameters broadcast over the
-    data group so that the replicas of a stage start equal, as DDP does at construction."""
+    the stage cut from ``model`` (or taken from ``stages=``); with ``data > 1`` sharded by FSDP2
+    over the data group (zero=2/3) or broadcast over it (zero=0/1), so that the replicas of a
+    stage start from data rank 0's values."""
     from .model import broadcast_over_data
+    from .sharding import shard_module
 
     topology = runtime.topology
     stages = options.get("stages") or split_sequential(model, topology.size("pipeline"), options.get("split_points"))
-    wrapped = PipelineModel(stages[runtime.session.coords["pipeline"]], runtime,
-                            options.get("microbatches", topology.size("pipeline")), options.get("loss_fn"))
-    if topology.size("data") > 1:
-        broadcast_over_data(wrapped.stage, runtime)
-    return wrapped
+    stage = stages[runtime.session.coords["pipeline"]].to(runtime.device)
+    runner, data_parallel = stage, None
+    if topology.size("data") > 1 and strategy.shard_policy.stage >= 2:
+        runner = stage = shard_module(stage, runtime, strategy.shard_policy.stage, options, pipelined=True)
+        data_parallel = "fsdp"
+    elif topology.size("data") > 1:
+        broadcast_over_data(stage, runtime)  # then strategy.sync_grads(model) (see the module docstring)
+    return PipelineModel(stage, runtime, options.get("microbatches", topology.size("pipeline")),
+                         options.get("loss_fn"), runner=runner, data_parallel=data_parallel)

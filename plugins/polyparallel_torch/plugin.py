@@ -19,11 +19,31 @@ __all__: list[str] = []
 
 RUNTIME = "torch"
 
-CAPABILITIES = pp.Capabilities(
+
+class TorchCapabilities(pp.Capabilities):
+    """The torch runtime's capabilities, plus the stage x axis combinations it refuses before
+    launch: zero=1 with tensor > 1 (``ZeroRedundancyOptimizer`` steps and broadcasts whole
+    parameters, not DTensor shards; zero=2 and zero=3 shard tensor-parallel modules)."""
+
+    def check(self, topology: pp.Topology, stage: int = 0) -> None:
+        super().check(topology, stage)
+        if stage == 1 and topology.size("tensor") > 1:
+            by = f" (plugin {self.plugin!r})" if self.plugin else ""
+            raise pp.UnsupportedTopologyError(
+                f"{self.target!r}{by} cannot run sharding stage zero=1 with tensor={topology.size('tensor')}: its "
+                "stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole parameters, not "
+                "tensor-parallel shards. Use zero=2 or zero=3 (FSDP2 over data on the 2-D mesh), or zero=0."
+            )
+
+
+CAPABILITIES = TorchCapabilities(
     RUNTIME, axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
-    features={"ddp", "tensor_parallel_plan", "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
+    features={"ddp", "fsdp2", "zero_redundancy_optimizer", "dcp_checkpoint", "tensor_parallel_plan",
+              "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
     # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
     imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
+    # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
+    stages={0, 1, 2, 3},
 )
 
 
@@ -40,10 +60,11 @@ class _Lazy:
         from torch import nn
         from torch.utils.data import DataLoader, Dataset
 
-        from . import data, grads, metrics, model, runtime, states
+        from . import data, grads, metrics, model, pipeline, runtime, sharding, states
 
         values = dict(torch=torch, nn=nn, DataLoader=DataLoader, Dataset=Dataset, data=data, grads=grads,
-                      metrics=metrics, model=model, runtime=runtime, states=states)
+                      metrics=metrics, model=model, pipeline=pipeline, runtime=runtime, sharding=sharding,
+                      states=states)
         self.__dict__.update(values)
         return values[name]
 
@@ -71,7 +92,8 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
 def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
     if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
-    options = _lazy.model.validate(model, session.topology, options)  # before any collective
+    # before any collective
+    options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage)
     return _lazy.model.wrap_module(model, _runtime(session), options, strategy)
 
 
@@ -83,6 +105,10 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
         isinstance(target, (list, tuple)) and target
         and all(isinstance(g, _lazy.torch.Tensor) or g is None for g in target)
     ):
+        if _lazy.sharding.is_fsdp(target):  # FSDP2 reduce-scattered the gradients in backward
+            return _lazy.sharding.sync_noop(target, _runtime(session), strategy, "FSDP module")
+        if isinstance(target, _lazy.pipeline.PipelineModel) and target.data_parallel is not None:  # in DDP/FSDP2
+            return _lazy.sharding.sync_noop(target, _runtime(session), strategy, "pipeline stage")
         return _lazy.grads.sync_gradients(target, _runtime(session), strategy)
     return None
 
@@ -136,6 +162,7 @@ def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> i
 
 @hookimpl
 def polyparallel_register_demos(register: Any) -> None:
-    from .demo import run_demo
+    from .demo import run_demo, run_demo_zero3
 
     register("torch", run_demo)
+    register("torch-zero3", run_demo_zero3)

@@ -3,7 +3,8 @@
 The actions come from the ``StatePolicy`` of the Strategy the call was made with. The states are
 packed into flat buckets per action and dtype, after one identity check whose descriptor holds
 every state's action, dtype and shape, so ranks at different operations (or with different
-states) raise an error naming both sides instead of averaging unrelated tensors.
+states) raise an error naming both sides instead of averaging unrelated tensors. A tensor sharded
+over ``data`` (an FSDP2 parameter at zero=2/3) has no replicas: it is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import polyparallel as pp
 from .grads import buckets
 from .model import unwrap
 from .runtime import TorchRuntime
+from .sharding import sharded_over_data
 
 __all__ = ["sync", "named_states", "apply_in_buckets", "DEFAULT_BUCKET_BYTES"]
 
@@ -47,7 +49,7 @@ def sync(states: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
     described: list[str] = []
     for name, tensor in named_states(states):
         action = policy.action_for(name)
-        if action == "local":
+        if action == "local" or sharded_over_data(tensor):
             continue
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if action == "mean" and not local.is_floating_point():

@@ -17,6 +17,7 @@ from polyparallel.testing import ConformanceDriver, reference_data
 
 from .data import TopologySampler
 from .model import full_state, unwrap
+from .sharding import make_optimizer, sharded_over_data
 
 __all__ = [
     "TorchDriver",
@@ -114,13 +115,14 @@ def fill_states(module: nn.Module, rank: int) -> None:
                 t.fill_(float(rank))
             elif name.endswith("running_var"):
                 t.fill_(1.0 + rank)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or name.endswith("calibration"):
                 t.fill_(10.0 + rank)
 
 
 class TorchDriver(ConformanceDriver):
     """Plain PyTorch through ``Strategy.shard_data/wrap_model/sync_grads/reduce_metrics/sync_states``
-    (data, data x tensor, and pipeline x data with ``PipelineModel.train_step``/``eval_step``)."""
+    (data, data x tensor, and pipeline x data with ``PipelineModel.train_step``/``eval_step``), at
+    any sharding stage (the optimizer from :func:`polyparallel_torch.make_optimizer`)."""
 
     target = "torch"
     unsupported = (pp.Topology(pipeline=2, tensor=2),)
@@ -145,7 +147,7 @@ class TorchDriver(ConformanceDriver):
         ds = reference_dataset(self.dataset_size)
         loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="pad", shuffle=True)
         model = strategy.wrap_model(reference_model(strategy.seed), **self._options(strategy))
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        opt = make_optimizer(strategy, model, torch.optim.SGD, lr=LR)  # ZeroRedundancyOptimizer at zero=1
         step = 0
         while step < self.steps:
             for x, y in loader:  # the sampler advances the epoch by itself
@@ -156,7 +158,7 @@ class TorchDriver(ConformanceDriver):
                     model.train_step(x, y)  # every stage, the same batch (replicas of one data coordinate)
                 else:
                     nn.functional.cross_entropy(model(x), y).backward()
-                strategy.sync_grads(model)  # DDP: a documented no-op (it reduced in backward)
+                strategy.sync_grads(model)  # DDP, FSDP2: a documented no-op (they reduced in backward)
                 opt.step()
                 step += 1
                 if step == self.steps:
@@ -197,12 +199,19 @@ class TorchDriver(ConformanceDriver):
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         from .pipeline import PipelineModel
 
-        model = strategy.wrap_model(reference_model(strategy.seed), **self._options(strategy))
+        module = reference_model(strategy.seed)
+        if strategy.shard_policy.stage >= 2:
+            # FSDP2 shards every parameter over data: they have no replicas, and sync_states leaves
+            # them alone. A replicated buffer (broadcast by the default policy) shows the policy
+            # still applies to what is replicated, next to BatchNorm's statistics (mean).
+            module.register_buffer("calibration", torch.zeros(4))
+        model = strategy.wrap_model(module, **self._options(strategy))
         inner = model.stage if isinstance(model, PipelineModel) else unwrap(model)
         fill_states(inner, strategy.session().rank)
-        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
+        replicated = {n for n, t in [*inner.named_parameters(), *inner.named_buffers()] if not sharded_over_data(t)}
+        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner) if n in replicated}
         strategy.sync_states(model)
-        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
+        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner) if n in replicated}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
 
