@@ -40,7 +40,7 @@ class DDPMixin(StrategyMixin):
 
     def _init_lightning(self, environment: Any, timeout: timedelta, kwargs: dict[str, Any]) -> None:
         base = next(c for c in type(self).__mro__ if c.__name__ == "DDPStrategy")
-        named = set(inspect.signature(base.__init__).parameters) - {"self", "kwargs"}
+        named = set(inspect.signature(base).parameters) - {"kwargs"}  # the class: its __init__ minus self
         self._ddp_options = {k: v for k, v in kwargs.items() if k not in named}
         self._comm = {k: kwargs.get(k) for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper")}
         super(StrategyMixin, self).__init__(  # type: ignore[call-arg]  # the Lightning base class

@@ -105,7 +105,7 @@ class ShardedMixin(StrategyMixin):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """States synchronised (the StatePolicy), then Lightning's (sharded) state dict."""
         self.sync_states()
-        return super().lightning_module_state_dict()  # type: ignore[misc,no-any-return]
+        return super().lightning_module_state_dict()  # type: ignore[misc]
 
     # -- steps run through the sharded module's forward -------------------------------------------------
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -140,7 +140,7 @@ def _through_forward(wrapper: nn.Module, module: nn.Module, name: str, *args: An
 
     def restore() -> None:
         if had_own:
-            module.forward = original  # type: ignore[method-assign]
+            module.forward = original
         else:
             vars(module).pop("forward", None)
 
@@ -148,7 +148,7 @@ def _through_forward(wrapper: nn.Module, module: nn.Module, name: str, *args: An
         restore()
         return getattr(module, name)(*step_args, **step_kwargs)
 
-    module.forward = step  # type: ignore[method-assign]
+    module.forward = step
     with contextlib.ExitStack() as stack:
         stack.callback(restore)
         return wrapper(*args, **kwargs)
