@@ -4,6 +4,7 @@
 #   bash tools/test.sh                 # default suite
 #   bash tools/test.sh --runslow       # include tests marked slow
 #   bash tools/test.sh tests/core -k topology   # any pytest arguments (lint and types still run)
+#   POLYPARALLEL_SKIP_LANES=1 bash tools/test.sh   # without the extra lanes (oldest Lightning)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/env.sh" || exit 1
@@ -15,10 +16,26 @@ ruff check . || failed+=(ruff)
 echo "== mypy"
 mypy || failed+=(mypy)
 echo "== pytest"
+whole_suite=0
 if [ "$#" -eq 0 ] || [[ "$1" == -* ]]; then
+    whole_suite=1
     set -- "$@" tests examples/third_party_plugin/tests
 fi
 python -m pytest -p no:cacheprovider "$@" || failed+=(pytest)
+# Lane: the oldest Lightning minor pyproject declares (its own venv, tools/env-lightning-oldest.sh),
+# a subset of tests/lightning_plugin (both namespaces, a real fit, conformance data=2, stage 3).
+# Runs with the whole suite only; POLYPARALLEL_SKIP_LANES=1 skips it (e.g. locally).
+if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ]; then
+    echo "== pytest, oldest Lightning lane"
+    if bash "$ROOT/tools/env-lightning-oldest.sh"; then
+        "${POLYPARALLEL_LIGHTNING_OLDEST_VENV:-$ROOT/.venv-lightning-oldest}/bin/python" -m pytest -p no:cacheprovider \
+            tests/lightning_plugin/test_plugin.py tests/lightning_plugin/test_sharded.py \
+            tests/lightning_plugin/test_conformance.py::TestLightningData2 \
+            tests/lightning_plugin/test_strategy.py -k "not hybrid_checkpoints" || failed+=(lightning-oldest)
+    else
+        failed+=(lightning-oldest-env)
+    fi
+fi
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "tools/test.sh: failed: ${failed[*]}" >&2
     exit 1

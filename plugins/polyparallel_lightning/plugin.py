@@ -21,12 +21,26 @@ from polyparallel import hookimpl
 
 __all__ = ["CAPABILITIES", "adapt"]
 
+
+def _runtime_stages() -> frozenset[int]:
+    """The sharding stages of the torch runtime: the adapter runs each of them (stage 0 over
+    Lightning's DDPStrategy, 1-3 over its ModelParallelStrategy, the sharding itself done by the
+    runtime's ``wrap_model``), so it declares what the runtime declares. Reading the runtime
+    plugin's capabilities imports neither torch nor Lightning."""
+    from polyparallel_torch.plugin import CAPABILITIES as TORCH
+
+    return TORCH.stages
+
+
 #: Data and tensor parallelism (and both at once); no pipeline stages: Lightning's training loop
 #: runs one forward/backward per step on every rank, which a pipeline schedule would replace.
+#: Sharding stages: the torch runtime's.
 CAPABILITIES = pp.Capabilities(
     "lightning", axes={"data", "tensor"}, runtimes={"torch"},  # Lightning trains torch modules
     features={"lightning.pytorch", "pytorch_lightning", "ddp", "tensor_parallel_plan", "lightning_launcher",
-              "external_launcher", "sync_dist_over_data", "consolidated_checkpoints"},
+              "external_launcher", "sync_dist_over_data", "consolidated_checkpoints", "fsdp2",
+              "distributed_checkpoints"},
+    stages=_runtime_stages(),
 )
 
 
@@ -36,7 +50,8 @@ def adapt(strategy: pp.Strategy, namespace: str | None = None, **kwargs: Any) ->
 
     :param namespace: ``"lightning.pytorch"`` (``import lightning``) or ``"pytorch_lightning"``; by
         default the one already imported (see :mod:`polyparallel_lightning.namespaces`).
-    :param kwargs: ``plan=`` (tensor-parallel plan) and Lightning ``DDPStrategy`` arguments.
+    :param kwargs: ``plan=`` (tensor-parallel plan) and the Lightning base class's arguments:
+        ``DDPStrategy``'s at stage 0, ``save_distributed_checkpoint=`` at stages 1-3.
     :raises ImportError: Lightning is not installed; the message names ``polyparallel[lightning]``.
     """
     from .namespaces import resolve_namespace

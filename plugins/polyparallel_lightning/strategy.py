@@ -1,7 +1,14 @@
-"""The Lightning strategy the adapter returns: Lightning's ``DDPStrategy`` with every parallel
-decision taken from the polyparallel :class:`~polyparallel.Strategy` and the torch runtime.
+"""The Lightning strategies the adapter returns, and what they share.
 
-``Trainer(strategy=strategy.adapt("lightning"))``. What comes from where:
+``Trainer(strategy=strategy.adapt("lightning"))`` gets, by the Strategy's sharding stage
+(``Strategy(zero=)``, :class:`polyparallel.ShardPolicy`):
+
+- stage 0 (replicas): :mod:`.ddp`, over Lightning's ``DDPStrategy``;
+- stage 1-3 (sharded over the data axis): :mod:`.sharded`, over Lightning's
+  ``ModelParallelStrategy`` (FSDP2 + tensor parallelism on a ``DeviceMesh``, Lightning >= 2.4).
+
+Both take every parallel decision from the polyparallel :class:`~polyparallel.Strategy` and the
+torch runtime; this module holds :class:`StrategyMixin`, the behaviour they share:
 
 ============================  =================================================================
 process groups, timeouts      the torch runtime (``get_runtime(session)``: ``init_process_group``
@@ -11,31 +18,43 @@ data sharding                 ``distributed_sampler_kwargs`` give the *data* axi
                               replaced by ``strategy.shard_data`` (training: the
                               ``DataPolicy.remainder``; validation/test: ``"uneven"``, every sample
                               once, so count-weighted metrics are exact)
-model wrapping                ``strategy.wrap_model``: DDP over the data sub-mesh (data only), or the
-                              runtime's tensor-parallel plan (``tensor > 1``)
+model wrapping                ``strategy.wrap_model`` (stage 0: DDP over the data sub-mesh or the
+                              tensor plan; stage 1-3: the plan, then FSDP2 over the data dimension)
 gradients                     ``strategy.sync_grads(model)`` after the closure, before the optimizer
-                              step (a documented no-op under DDP, which reduced in backward)
+                              step (a documented no-op under DDP and FSDP2, which reduce in backward)
 ``self.log(sync_dist=True)``  ``reduce`` over the *data* group through the runtime's bounded
                               all-reduce (Lightning's epoch means are batch-size weighted)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
-                              before each checkpoint (BatchNorm statistics averaged, parameters
-                              broadcast from data rank 0, per the ``StatePolicy``)
-checkpoints                   one consolidated file (tensor shards gathered), written by the first
-                              rank with the ``checkpoint`` role
+                              before each checkpoint (the ``StatePolicy``)
 decisions, barriers           over the world (every rank must agree to stop or to save)
 ============================  =================================================================
+
+**Lightning names relied on** (both namespaces; checked against 2.4.0 and 2.6): public —
+``Strategy``/``ParallelStrategy`` methods and properties ``setup``, ``setup_environment``,
+``set_world_ranks``, ``root_device``, ``distributed_sampler_kwargs``, ``process_group_backend``,
+``reduce``, ``reduce_boolean_decision``, ``barrier``, ``broadcast``, ``optimizer_step``,
+``process_dataloader``, ``on_validation_start``/``on_test_start``/``on_predict_start``,
+``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin``,
+``cluster_environment``, ``parallel_devices``, ``world_size``/``global_rank``/``local_rank``,
+``num_processes``/``num_nodes``, ``checkpoint_io``, ``lightning_fabric...reset_seed``, the
+``LightningEnvironment`` cluster environment, ``trainer.state``; the stage-specific names are
+listed in :mod:`.ddp` and :mod:`.sharded`. Private, read or wrapped but never overridden:
+``_layer_sync`` (the ``sync_batchnorm`` plugin Lightning's connector sets on every
+``ParallelStrategy``; read to refuse it under tensor replicas) and the Trainer's
+``_data_connector._resolve_sampler`` (wrapped on one Trainer to silence a warning that is
+wrong here; if a Lightning release removes it, the warning shows and nothing else changes).
+No private Lightning method is overridden.
 
 Nothing outlives the objects handed over: the launcher variables polyparallel's session reads
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) are set from what
 Lightning knows only while the session and its process groups are made, and removed right after;
-Lightning's warning about ``DistributedSampler`` during ``validate``/``test`` (wrong here: the
-adapter shards evaluation ``"uneven"``, every sample once) is silenced around that one call of
-the Trainer the strategy serves, and the silencer is removed at ``teardown``. A plain Trainer
-made afterwards in the same process sees the environment and warning filters it would have seen
-without polyparallel.
+Lightning's warning about ``DistributedSampler`` during ``validate``/``test`` is silenced around
+that one call of the Trainer the strategy serves, and the silencer is removed at ``teardown``.
+A plain Trainer made afterwards in the same process sees the environment and warning filters it
+would have seen without polyparallel.
 
-The classes are built per Lightning namespace by :func:`strategy_class` (cached); the behaviour
-lives in :class:`StrategyMixin`, which imports nothing from Lightning at module level.
+The classes are built per Lightning namespace (cached); the behaviour lives in mixins that
+import nothing from Lightning at module level.
 """
 
 from __future__ import annotations
@@ -55,22 +74,22 @@ from torch import nn
 
 import polyparallel as pp
 
-from . import checkpoint
 from .environment import environment_class, launched_externally
-from .namespaces import NAMESPACES, Namespace, per_namespace_class
+from .namespaces import NAMESPACES, Namespace
 
-__all__ = ["StrategyMixin", "strategy_class", "make_strategy"]
+__all__ = ["StrategyMixin", "make_strategy", "strategy_class"]
 
 #: Lightning's warning that an injected ``DistributedSampler`` repeats evaluation samples.
 _SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"
 
 #: Keyword arguments that come from the polyparallel Strategy, not from the adapter's caller.
 _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environment)",
-                  "process_group_backend": "Strategy(backend=...)", "timeout": "Strategy(timeout=...)"}
+                  "process_group_backend": "Strategy(backend=...)", "timeout": "Strategy(timeout=...)",
+                  "data_parallel_size": "Strategy(data=...)", "tensor_parallel_size": "Strategy(tensor=...)"}
 
 
 class StrategyMixin:
-    """The polyparallel behaviour mixed into Lightning's ``DDPStrategy`` (see the module docstring).
+    """The polyparallel behaviour shared by the adapter's Lightning strategies (module docstring).
 
     :param polyparallel_strategy: the :class:`polyparallel.Strategy` that decides everything.
     :param namespace: ``"lightning.pytorch"`` or ``"pytorch_lightning"`` (set by the factory).
@@ -78,8 +97,7 @@ class StrategyMixin:
         | RowwiseParallel(), ...}`` relative to the LightningModule, or a callable
         ``plan(lightning_module) -> dict``. Default: the runtime's Megatron plan of the module's
         single ``nn.Sequential`` child.
-    :param kwargs: Lightning ``DDPStrategy`` arguments (``start_method=``, ``accelerator=``,
-        ``checkpoint_io=``, ...) and DDP arguments (``find_unused_parameters=``, ``static_graph=``).
+    :param kwargs: arguments of the Lightning base class (see the stage's class).
     """
 
     def __init__(self, polyparallel_strategy: pp.Strategy, *, namespace: str, plan: Any = None, **kwargs: Any):
@@ -95,12 +113,12 @@ class StrategyMixin:
         self._plan = plan
         self._runtime_cache: Any = None
         self._quieted: Any = None  # the Trainer's data connector whose sampler warning is silenced
-        super().__init__(  # type: ignore[call-arg]
-            cluster_environment=environment_class(namespace)(),
-            process_group_backend=polyparallel_strategy.backend,
-            timeout=timedelta(seconds=polyparallel_strategy.timeout),
-            **kwargs,
-        )
+        self._init_lightning(environment_class(namespace)(), timedelta(seconds=polyparallel_strategy.timeout),
+                             kwargs)
+
+    def _init_lightning(self, environment: Any, timeout: timedelta, kwargs: dict[str, Any]) -> None:
+        """Call the Lightning base class's ``__init__`` (each stage's mixin knows its arguments)."""
+        raise NotImplementedError
 
     # -- what this process is -----------------------------------------------------------------------
     @property
@@ -140,6 +158,12 @@ class StrategyMixin:
         return {"num_replicas": topology.size("data"),
                 "rank": topology.coords(self.global_rank)["data"],  # type: ignore[attr-defined]
                 "seed": self._pp.seed}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The runtime's backend once its groups exist; before, the one ``Strategy(backend=)`` names."""
+        rt = self._runtime_cache
+        return rt.backend if rt is not None else self._pp.backend
 
     @property
     def runtime(self) -> Any:
@@ -190,7 +214,11 @@ class StrategyMixin:
         return session
 
     # -- launch and process groups ---------------------------------------------------------------------
-    def _configure_launcher(self) -> None:
+    def set_world_ranks(self) -> None:
+        """Lightning's ranks, then the topology checked against the world they make. Lightning's
+        accelerator connector calls this when the Trainer is built, before it configures the
+        launcher: a topology that does not fit is refused before any process starts."""
+        super().set_world_ranks()  # type: ignore[misc]
         world = self.world_size  # type: ignore[attr-defined]
         try:
             self._pp.topology.resolve(world)
@@ -200,22 +228,28 @@ class StrategyMixin:
             raise pp.TopologyError(
                 f"{self._pp!r} cannot run on the {world} processes {how}: {exc}"
             ) from None
-        super()._configure_launcher()  # type: ignore[misc]
 
     def setup_distributed(self) -> None:
         """Ranks from the cluster environment, then the runtime's groups (not Lightning's
         ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
         importlib.import_module(f"{self._ns.fabric}.utilities.seed").reset_seed()
-        self.set_world_ranks()  # type: ignore[attr-defined]
+        self.set_world_ranks()
         rt = self.runtime  # made inside the launcher's variables (see _launcher_environment)
         if rt.device.type != self.root_device.type:
             raise pp.TopologyError(
                 f"The torch runtime computes on {rt.device} but the Trainer's accelerator gives {self.root_device}. "
                 "Use Trainer(accelerator=...) matching the runtime's device (cuda when available, else cpu)."
             )
-        self._process_group_backend = rt.backend
 
     # -- model ---------------------------------------------------------------------------------------------
+    def _refuse_layer_sync(self) -> None:
+        # `_layer_sync`: Lightning's connector sets it on every ParallelStrategy (private; read only).
+        if getattr(self, "_layer_sync", None) is not None and self.topology.size("tensor") > 1:
+            raise pp.UnsupportedTopologyError(
+                "Trainer(sync_batchnorm=True) synchronises over the world, which would mix tensor-parallel "
+                f"replicas (tensor={self.topology.size('tensor')}). Use sync_batchnorm=False, or tensor=1."
+            )
+
     def _tensor_plan(self, module: nn.Module) -> dict[str, Any]:
         plan = self._plan(module) if callable(self._plan) else self._plan
         if plan is not None:
@@ -236,45 +270,8 @@ class StrategyMixin:
             raise TypeError(f"{exc} (in {type(module).__name__}.{name}; pass strategy.adapt('lightning', "
                             "plan={...}))") from None
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
-        """``strategy.wrap_model``: DDP over the data group, or the tensor-parallel plan (applied once)."""
-        options: dict[str, Any] = {}
-        if self.topology.size("tensor") > 1:
-            if checkpoint.is_tensor_parallel(model):
-                return model  # parallelised by an earlier fit/validate; replicas already equal
-            options["plan"] = self._tensor_plan(model)
-        if self._ddp_kwargs:  # type: ignore[attr-defined]
-            options["ddp_kwargs"] = dict(self._ddp_kwargs)  # type: ignore[attr-defined]
-        return self._pp.wrap_model(model, **options)
-
-    def configure_ddp(self) -> None:
-        """Wrap through polyparallel; Lightning's DDP communication hooks only for a DDP model."""
-        self.model = self._setup_model(self.model)  # type: ignore[has-type]
-        if isinstance(self.model, nn.parallel.DistributedDataParallel):
-            self._register_ddp_hooks()  # type: ignore[attr-defined]
-
-    def setup(self, trainer: Any) -> None:
-        """Lightning's setup for fitting; for validate/test/predict the tensor plan is applied too
-        (Lightning's own DDP leaves the model bare there)."""
-        if self._layer_sync is not None and self.topology.size("tensor") > 1:  # type: ignore[attr-defined]
-            raise pp.UnsupportedTopologyError(
-                "Trainer(sync_batchnorm=True) synchronises over the world, which would mix tensor-parallel "
-                f"replicas (tensor={self.topology.size('tensor')}). Use sync_batchnorm=False, or tensor=1."
-            )
-        if trainer.state.fn == "fit":
-            super().setup(trainer)  # type: ignore[misc]
-        else:
-            # Lightning's DDPStrategy.setup for validate/test/predict, minus its
-            # `_sync_module_states(self.model)`: that broadcasts every parameter and buffer from world
-            # rank 0, which would overwrite tensor-parallel shards and bypass the StatePolicy
-            # (`sync_states` runs at validation/test/predict start instead); plus the tensor plan.
-            # A near copy of Lightning's branch: re-check it against DDPStrategy.setup on upgrades.
-            self.accelerator.setup(trainer)  # type: ignore[attr-defined]
-            self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
-            self.model_to_device()  # type: ignore[attr-defined]
-            if self.topology.size("tensor") > 1:
-                self.model = self._setup_model(self.model)
-            self.setup_precision_plugin()  # type: ignore[attr-defined]
+    def _after_setup(self, trainer: Any) -> None:
+        """What every stage's ``setup`` ends with."""
         self._scope_torchmetrics()
         self._quiet_sampler_warning(trainer)
 
@@ -323,7 +320,7 @@ class StrategyMixin:
 
         def closure_then_sync() -> Any:
             output = closure()
-            self._pp.sync_grads(self.model)
+            self._pp.sync_grads(self.model)  # type: ignore[attr-defined]
             return output
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)  # type: ignore[misc]
@@ -358,12 +355,12 @@ class StrategyMixin:
         with self.runtime.collective("broadcast", "world"):
             return super().broadcast(obj, src)  # type: ignore[misc]
 
-    # -- states and checkpoints ---------------------------------------------------------------------------
+    # -- states -------------------------------------------------------------------------------------------
     def sync_states(self) -> None:
         """``strategy.sync_states(model)``: the StatePolicy over the data axis (BatchNorm statistics
         averaged, parameters broadcast from data rank 0, counters left alone)."""
         if self.world_size > 1 and self.model is not None:  # type: ignore[attr-defined]
-            self._pp.sync_states(self.model)
+            self._pp.sync_states(self.model)  # type: ignore[attr-defined]
 
     def on_validation_start(self) -> None:
         """Evaluate with synchronised states."""
@@ -379,47 +376,6 @@ class StrategyMixin:
         """Predict with synchronised states."""
         super().on_predict_start()  # type: ignore[misc]
         self.sync_states()
-
-    @property
-    def writes_checkpoints(self) -> bool:
-        """Whether this rank writes Lightning's (consolidated) checkpoint files: the first rank with
-        the ``checkpoint`` role."""
-        return self.global_rank == self.topology.ranks_with_role("checkpoint")[0]  # type: ignore[attr-defined]
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """States synchronised, then tensor-parallel shards gathered (every rank calls this)."""
-        self.sync_states()
-        state = super().lightning_module_state_dict()  # type: ignore[misc]
-        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Optimizer state with tensor-parallel shards gathered."""
-        state = super().optimizer_state(optimizer)  # type: ignore[misc]
-        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write the file once, on :attr:`writes_checkpoints`."""
-        if self.writes_checkpoints:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a file the writer wrote."""
-        if self.writes_checkpoints:
-            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
-
-    def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a consolidated checkpoint, into shards if the model is parallelised already."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        state = checkpoint_["state_dict"]
-        if checkpoint.is_tensor_parallel(module):
-            state = checkpoint.localize_state(state, module)
-        module.load_state_dict(state, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint_: Mapping[str, Any]) -> None:
-        """Load optimizer states; full tensors of sharded parameters are cut into shards."""
-        super().load_optimizer_state_dict(checkpoint_)  # type: ignore[misc]
-        for optimizer in self.optimizers:  # type: ignore[attr-defined]
-            checkpoint.localize_optimizer(getattr(optimizer, "_optimizer", optimizer))
 
     # -- data -------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -474,11 +430,17 @@ def _op_name(reduce_op: Any) -> str:
     return name
 
 
-#: ``strategy_class(namespace)``: the Lightning strategy class for a namespace
-#: (``"lightning.pytorch"`` or ``"pytorch_lightning"``): :class:`StrategyMixin` over that namespace's
-#: ``DDPStrategy``; built on first use and cached.
-strategy_class, __getattr__ = per_namespace_class(
-    "PolyparallelStrategy", StrategyMixin, "{ns.pytorch}.strategies", "DDPStrategy", __name__)
+def strategy_class(namespace: str, stage: int = 0) -> type:
+    """The Lightning strategy class of the adapter for a Lightning ``namespace`` (``"lightning.pytorch"``
+    or ``"pytorch_lightning"``) and a sharding ``stage``: :mod:`.ddp`'s for stage 0, :mod:`.sharded`'s
+    for stages 1-3 (built on first use and cached)."""
+    if stage == 0:
+        from .ddp import ddp_strategy_class
+
+        return ddp_strategy_class(namespace)
+    from .sharded import sharded_strategy_class
+
+    return sharded_strategy_class(namespace)
 
 
 def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None, **kwargs: Any) -> Any:
@@ -487,6 +449,8 @@ def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None,
     :param namespace: which Lightning's Trainer will receive it, already resolved by
         :func:`~polyparallel_lightning.namespaces.resolve_namespace` (see it for the automatic rule).
     :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
-    :param kwargs: passed to Lightning's ``DDPStrategy`` (``start_method=``, ``find_unused_parameters=``...).
+    :param kwargs: passed to the Lightning base class: ``DDPStrategy`` at stage 0 (``start_method=``,
+        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=``.
     """
-    return strategy_class(namespace.pytorch)(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)
+    cls = strategy_class(namespace.pytorch, strategy.shard_policy.stage)
+    return cls(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)

@@ -113,8 +113,17 @@ class _IndexedDataset(torch.utils.data.Dataset):
         return i, x, y
 
 
-def _floating_states(module: nn.Module) -> dict[str, list[float]]:
-    return {name: t.detach().reshape(-1).double().tolist() for name, t in torch_testing.local_states(module)}
+def _floating_states(module: nn.Module, full: bool = False) -> dict[str, list[float]]:
+    """Floating states by name: local shards, or (``full``, at a sharding stage, where each data
+    rank holds a different shard of one parameter) whole tensors, gathered by every rank."""
+    if not full:
+        return {name: t.detach().reshape(-1).double().tolist() for name, t in torch_testing.local_states(module)}
+    out = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if t.is_floating_point():
+            out[name] = t.detach().reshape(-1).double().tolist()
+    return out
 
 
 class LightningDriver(ConformanceDriver):
@@ -160,7 +169,14 @@ class LightningDriver(ConformanceDriver):
         module = reference_module_class(self.namespace)(strategy.seed, torch.float64)
         loader = DataLoader(torch_testing.reference_dataset(self.dataset_size, torch.float64),
                             batch_size=self._per_rank_batch(strategy))
-        trainer = make_trainer(strategy, self.namespace, precision="64-true")
+        if strategy.shard_policy.stage == 0:
+            double: dict[str, Any] = {"precision": "64-true"}
+        else:
+            # Lightning refuses Trainer(precision="64-true") with a ModelParallelStrategy (it lists
+            # the mixed/low precisions FSDP2 is tuned for); its DoublePrecision plugin, given as a
+            # plugin, runs the same float64 evaluation there.
+            double = {"plugins": [importlib.import_module(f"{self.namespace}.plugins").DoublePrecision()]}
+        trainer = make_trainer(strategy, self.namespace, **double)
         trainer.validate(module, loader, verbose=False)
         metrics = trainer.callback_metrics
         if int(metrics["samples"]) != self.dataset_size:  # a world reduction would count replicas twice
@@ -173,7 +189,8 @@ class LightningDriver(ConformanceDriver):
 
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         """Rank-dependent states set in ``on_validation_start``; the adapter syncs them right after
-        (its own ``on_validation_start``), before the first validation step records them."""
+        (its own ``on_validation_start``), before the first validation batch records them (whole
+        tensors at a sharding stage: every rank must then hold the same logical parameter)."""
         probe = _state_probe_class(self.namespace)(strategy.seed)
         loader = DataLoader(torch_testing.reference_dataset(4), batch_size=2)
         trainer = make_trainer(strategy, self.namespace, limit_val_batches=1)
@@ -199,12 +216,17 @@ class _StateProbeMixin(ReferenceModuleMixin):
             bn.running_mean.fill_(float(rank))
             bn.running_var.fill_(1.0 + rank)
             head.bias.fill_(10.0 + rank)
-        self.before = _floating_states(self)
+        self._full = self.trainer.strategy.polyparallel_strategy.shard_policy.stage > 0
+        self.before = _floating_states(self, self._full)
         self.after: dict[str, list[float]] = {}
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Outside the step: under FSDP2 the step runs inside the forward, on gathered parameters.
         if not self.after:
-            self.after = _floating_states(self)
+            self.after = _floating_states(self, self._full)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        pass
 
 
 @functools.cache

@@ -167,3 +167,87 @@ def test_default_tensor_plan_is_the_runtimes_for_the_single_sequential_child(mon
     with pytest.raises(TypeError, match=r"exactly one nn.Sequential child, it has 2\. Pass strategy.adapt"):
         adapter._tensor_plan(TwoTowers())
     assert torch.distributed.is_initialized() is False  # nothing above needed a process group
+
+
+# -- sharding stages ------------------------------------------------------------------------------------
+def test_stages_are_the_torch_runtimes_and_an_undeclared_one_is_refused_before_anything_starts():
+    from polyparallel_lightning.plugin import CAPABILITIES
+    from polyparallel_torch.plugin import CAPABILITIES as TORCH
+
+    assert CAPABILITIES.stages == TORCH.stages and 0 in CAPABILITIES.stages
+    assert pp.get_plugin_manager().adapters()["lightning"].capabilities.stages == TORCH.stages
+    for stage in sorted({0, 1, 2, 3} - TORCH.stages):
+        with pytest.raises(pp.UnsupportedTopologyError, match=rf"cannot run sharding stage zero={stage}: it runs"):
+            pp.Strategy(data=2, zero=stage).adapt("lightning", namespace="lightning.pytorch")
+        with pytest.raises(pp.UnsupportedTopologyError, match=rf"zero={stage}"):
+            pp.Strategy(data=2, zero=stage).check("lightning")
+    assert torch.distributed.is_initialized() is False
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_stage_picks_the_lightning_base_class_and_each_trainer_accepts_it(namespace, monkeypatch):
+    import importlib
+
+    from polyparallel_lightning.namespaces import NAMESPACES
+    from polyparallel_lightning.strategy import make_strategy, strategy_class
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    ns = importlib.import_module(namespace)
+    assert issubclass(strategy_class(namespace, 0), ns.strategies.DDPStrategy)
+    for stage in (1, 2, 3):
+        assert issubclass(strategy_class(namespace, stage), ns.strategies.ModelParallelStrategy)
+        assert not issubclass(strategy_class(namespace, stage), ns.strategies.DDPStrategy)
+    # Built directly (what adapt() does once the runtime declares the stage): construction only.
+    strategy = pp.Strategy(data=-1, zero=3, timeout=30)
+    adapter = make_strategy(strategy, NAMESPACES[namespace])
+    assert isinstance(adapter, ns.strategies.ModelParallelStrategy)
+    trainer = ns.Trainer(strategy=adapter, accelerator="cpu", devices=1, logger=False)
+    assert trainer.strategy is adapter
+    again = pickle.loads(pickle.dumps(adapter))  # Lightning's spawn launcher pickles the Trainer
+    assert type(again) is type(adapter) and again.polyparallel_strategy == strategy
+    with pytest.raises(TypeError, match=r"zero=3 takes plan= and save_distributed_checkpoint= only .*"
+                                        r"\['find_unused_parameters'\].*apply at zero=0"):
+        make_strategy(strategy, NAMESPACES[namespace], find_unused_parameters=True)
+    with pytest.raises(TypeError, match=r"tensor_parallel_size comes from Strategy\(tensor=...\)"):
+        make_strategy(strategy, NAMESPACES[namespace], tensor_parallel_size=2)
+
+
+def test_sharded_topology_that_does_not_fit_the_trainer_is_refused_at_construction(monkeypatch):
+    import lightning.pytorch as L
+
+    from polyparallel_lightning.namespaces import NAMESPACES
+    from polyparallel_lightning.strategy import make_strategy
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    adapter = make_strategy(pp.Strategy(data=4, zero=3), NAMESPACES["lightning.pytorch"])
+    with pytest.raises(pp.TopologyError, match=r"cannot run on the 2 processes Trainer\(devices=2, num_nodes=1\) makes"):
+        L.Trainer(strategy=adapter, accelerator="cpu", devices=2, logger=False)
+    assert torch.distributed.is_initialized() is False
+
+
+def test_a_step_runs_through_the_wrapped_modules_forward_and_forward_is_restored():
+    import lightning.pytorch as L
+
+    from polyparallel_lightning.sharded import _through_forward
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.layer(x)
+
+        def training_step(self, x, scale):
+            return self(x).sum() * scale  # the real forward, from inside the step
+
+    module, hooked = Module(), []
+    module.register_forward_pre_hook(lambda mod, args, kwargs: hooked.append(args), with_kwargs=True)
+    x = torch.ones(3, 2)
+    out = _through_forward(module, module, "training_step", x, 2.0)
+    assert torch.allclose(out, module.layer(x).sum() * 2.0)
+    # The hook saw the step's arguments (FSDP2 gathers there), then the inner self(x) call.
+    assert len(hooked) == 2 and hooked[0][1] == 2.0 and hooked[1][0] is x
+    assert "forward" not in vars(module), "forward must be the class's again"
