@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
 from polyparallel_torch import testing as torch_testing
+from polyparallel_torch.sharding import sharded_over_data
 
 from .namespaces import ModuleMixinBase
 
@@ -113,17 +114,12 @@ class _IndexedDataset(torch.utils.data.Dataset):
         return i, x, y
 
 
-def _floating_states(module: nn.Module, full: bool = False) -> dict[str, list[float]]:
-    """Floating states by name: local shards, or (``full``, at a sharding stage, where each data
-    rank holds a different shard of one parameter) whole tensors, gathered by every rank."""
-    if not full:
-        return {name: t.detach().reshape(-1).double().tolist() for name, t in torch_testing.local_states(module)}
-    out = {}
-    for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if t.is_floating_point():
-            out[name] = t.detach().reshape(-1).double().tolist()
-    return out
+def _replicated_states(module: nn.Module) -> dict[str, list[float]]:
+    """Floating states by name (local shards of tensor-parallel DTensors), leaving out what is
+    sharded over the data axis (parameters at a sharding stage): those have no replicas, and
+    ``sync_states`` leaves them alone."""
+    return {name: t.detach().reshape(-1).double().tolist() for name, t in torch_testing.local_states(module)
+            if not sharded_over_data(dict([*module.named_parameters(), *module.named_buffers()])[name])}
 
 
 class LightningDriver(ConformanceDriver):
@@ -192,6 +188,10 @@ class LightningDriver(ConformanceDriver):
         (its own ``on_validation_start``), before the first validation batch records them (whole
         tensors at a sharding stage: every rank must then hold the same logical parameter)."""
         probe = _state_probe_class(self.namespace)(strategy.seed)
+        if strategy.shard_policy.stage >= 2:
+            # FSDP2 shards every parameter over data: no replicas to sync. A replicated buffer
+            # (broadcast by the default policy) shows the policy still applies to what is replicated.
+            probe.register_buffer("calibration", torch.zeros(4))
         loader = DataLoader(torch_testing.reference_dataset(4), batch_size=2)
         trainer = make_trainer(strategy, self.namespace, limit_val_batches=1)
         trainer.validate(probe, loader, verbose=False)
@@ -216,14 +216,16 @@ class _StateProbeMixin(ReferenceModuleMixin):
             bn.running_mean.fill_(float(rank))
             bn.running_var.fill_(1.0 + rank)
             head.bias.fill_(10.0 + rank)
-        self._full = self.trainer.strategy.polyparallel_strategy.shard_policy.stage > 0
-        self.before = _floating_states(self, self._full)
+            calibration = getattr(self, "calibration", None)
+            if isinstance(calibration, torch.Tensor):
+                calibration.fill_(10.0 + rank)
+        self.before = _replicated_states(self)
         self.after: dict[str, list[float]] = {}
 
     def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         # Outside the step: under FSDP2 the step runs inside the forward, on gathered parameters.
         if not self.after:
-            self.after = _floating_states(self, self._full)
+            self.after = _replicated_states(self)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         pass
