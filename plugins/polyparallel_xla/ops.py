@@ -61,7 +61,7 @@ def _device_loader_class() -> type:
             return self.loader.batch_size
 
         def __iter__(self) -> Iterator[Any]:
-            sampler = self.loader.sampler
+            sampler: Any = self.loader.sampler
             if self._runtime is not None and not sampler.pinned:
                 self._runtime.check(PASS_CHECK, "world", f"epoch {sampler.epoch} of {self._what}")
             return super().__iter__()
@@ -86,7 +86,8 @@ def shard_data(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: 
     if DeviceLoader is None:
         DeviceLoader = _device_loader_class()
     rt = get_runtime(session)
-    what = f"{len(loader.dataset)} samples, batch {loader.batch_size}"
+    sampler: Any = loader.sampler
+    what = f"{sampler.dataset_len} samples, batch {loader.batch_size}"
     return DeviceLoader(loader, rt.device, rt if session.world_size > 1 else None, what)
 
 

@@ -70,7 +70,7 @@ class XlaDriver(TorchDriver):
     is the torch driver's ghost-batch one."""
 
     target = "xla"
-    unsupported = (pp.Topology(data=2, tensor=2), pp.Topology(pipeline=2, data=1))
+    unsupported = (pp.Topology(data=2, tensor=2),)
     startup_seconds = 90.0
 
     def bind(self, strategy: pp.Strategy) -> pp.Strategy:

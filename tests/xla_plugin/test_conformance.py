@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-import polyparallel as pp
-from polyparallel.testing import ConformanceSuite
-from polyparallel_xla.testing import XlaDriver
+pytest.importorskip("torch_xla")
+
+import polyparallel as pp  # noqa: E402
+from polyparallel.testing import ConformanceSuite  # noqa: E402
+from polyparallel_xla.testing import XlaDriver  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
 
-import polyparallel as pp
-import polyparallel_xla.plugin as xla_plugin
-from polyparallel.cli import cli
+pytest.importorskip("torch_xla")
+from click.testing import CliRunner  # noqa: E402
+
+import polyparallel as pp  # noqa: E402
+import polyparallel_xla.plugin as xla_plugin  # noqa: E402
+from polyparallel.cli import cli  # noqa: E402
 
 
 def test_capabilities_data_axis_only_and_below_torch():

@@ -8,12 +8,14 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
-import polyparallel as pp
-from polyparallel_xla.testing import install_ordered_sync
+pytest.importorskip("torch_xla")
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+import polyparallel as pp  # noqa: E402
+from polyparallel_xla.testing import install_ordered_sync  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
