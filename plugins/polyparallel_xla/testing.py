@@ -5,11 +5,11 @@ conformance driver. Nothing here is used by the runtime itself.
 threads of one process, and multi-device collectives deadlock upstream (pytorch/xla issue 9089):
 replica threads that reach ``torch_xla.sync()`` together each compile the same graph and get
 different collective keys (``op_id``), so XLA's rendezvous never completes and XLA aborts the
-process after its termination timeout; buffer donation and token release block as well, and
+process after its termination timeout (10 s, also when a peer is merely slow); buffer donation and token release block as well, and
 the execution thread pool defaults to the core count. Replicas must also build identical graphs:
 torch_xla folds the scalars 0 and 1 into a graph as constants, so a rank-dependent ``fill_(rank)``
 would give each replica its own graph. On TPU each replica is its own process and
-none of this applies. :func:`install_ordered_sync` lets one replica thread at a time compile and
+none of this applies. :func:`install_ordered_sync` waits for every replica thread at each sync, then lets one at a time compile and
 launch its graph (the next one then finds it in the compilation cache, with the same keys), and
 :data:`CPU_ENV` turns off parameter aliasing, widens the thread pool and keeps 0 and 1 as data. With both, all-reduce,
 ``xm.optimizer_step`` and ``MpDeviceLoader`` work at 2 and 4 CPU devices.
@@ -17,6 +17,7 @@ launch its graph (the next one then finds it in the compilation cache, with the 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch.utils.data import TensorDataset
 import polyparallel as pp
 from polyparallel_torch.testing import LR, TorchDriver, reference_dataset, reference_model
 
-__all__ = ["CPU_ENV", "XlaDriver", "cpu_env", "install_ordered_sync"]
+__all__ = ["CPU_ENV", "XlaDriver", "cpu_env", "install_ordered_sync", "seeded_model"]
 
 #: Environment for N XLA CPU devices served by threads (besides ``CPU_NUM_DEVICES``).
 CPU_ENV = {"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "false", "XLA_THREAD_POOL_SIZE": "16",
@@ -53,13 +54,28 @@ def install_ordered_sync() -> None:
             return
         original = torch_xla.sync
         turn = threading.Lock()
+        # Every replica thread reaches each sync (the loops are alike); waiting for all of them
+        # first keeps one replica's collective from waiting in XLA's rendezvous, whose 10 s
+        # termination timeout aborts the process, while another is still busy on a loaded machine.
+        arrive = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")), timeout=120)
 
         def ordered_sync(wait: bool = False, reset_scope: bool = True) -> None:
+            arrive.wait()
             with turn:
                 original(wait, reset_scope)
 
         _installed["sync"] = original
         torch_xla.sync = ordered_sync
+
+
+_rng = threading.Lock()
+
+
+def seeded_model(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """:func:`~polyparallel_torch.testing.reference_model`, built by one replica thread at a time:
+    replica threads share torch's CPU random generator, so seeding and drawing must not interleave."""
+    with _rng:
+        return reference_model(seed, dtype)
 
 
 class XlaDriver(TorchDriver):
@@ -91,7 +107,7 @@ class XlaDriver(TorchDriver):
 
         ds = reference_dataset(self.dataset_size)
         loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="pad", shuffle=True)
-        model = strategy.wrap_model(reference_model(strategy.seed))
+        model = strategy.wrap_model(seeded_model(strategy.seed))
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         data_size = strategy.session().topology.size("data")
         step = 0
@@ -112,7 +128,7 @@ class XlaDriver(TorchDriver):
     def evaluate(self, strategy: pp.Strategy) -> dict[str, float] | None:
         ds = reference_dataset(self.dataset_size, torch.float64)
         loader = strategy.shard_data(ds, batch_size=self.global_batch, remainder="uneven", shuffle=False)
-        model = strategy.wrap_model(reference_model(strategy.seed, torch.float64)).eval()
+        model = strategy.wrap_model(seeded_model(strategy.seed, torch.float64)).eval()
         total, correct, count = 0.0, 0, 0
         with torch.no_grad():
             for x, y in loader:
@@ -126,7 +142,7 @@ class XlaDriver(TorchDriver):
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         from polyparallel_torch.testing import fill_states, local_states
 
-        model = strategy.wrap_model(reference_model(strategy.seed))
+        model = strategy.wrap_model(seeded_model(strategy.seed))
         fill_states(model, strategy.session().rank)
         before = {n: t.detach().cpu().reshape(-1).double().tolist() for n, t in local_states(model)}
         strategy.sync_states(model)
