@@ -21,7 +21,7 @@ from ._errors import (
 from ._launch import launch
 from ._manager import PluginManager, get_plugin_manager, hookimpl
 from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
-from ._session import ProcessInfo, Session
+from ._session import ProcessInfo, Session, SessionScope, current_session_scope, session_scope
 from ._sharding import shard_indices, shard_length
 from ._strategy import Strategy
 from ._topology import AXES, Topology
@@ -45,16 +45,19 @@ __all__ = [
     "PolyparallelError",
     "ProcessInfo",
     "Session",
+    "SessionScope",
     "ShardPolicy",
     "StatePolicy",
     "Strategy",
     "Topology",
     "TopologyError",
     "UnsupportedTopologyError",
+    "current_session_scope",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
     "launch",
+    "session_scope",
     "shard_indices",
     "shard_length",
 ]

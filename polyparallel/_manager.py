@@ -21,7 +21,7 @@ import pluggy
 from . import _routing, hookspecs
 from ._capabilities import Capabilities
 from ._errors import NoPluginError, PluginError, PolyparallelError
-from ._session import ProcessInfo, Session, process_info_from_env
+from ._session import ProcessInfo, Session, current_session_scope, process_info_from_env
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
@@ -373,34 +373,42 @@ class PluginManager:
     def session(self, strategy: Strategy) -> Session:
         """This process's :class:`Session` for ``strategy``, created on first use: the runtime
         is resolved, and the topology checked against that runtime's capabilities and the
-        strategy's batch size, before any process group exists."""
+        strategy's batch size, before any process group exists. Inside a
+        :func:`~polyparallel.session_scope` (a rank run as a thread), the scope's own session."""
+        scope = current_session_scope()
+        table = self._sessions if scope is None else scope.tables.setdefault(self, {})
         try:
-            return self._sessions[strategy]
+            return table[strategy]
         except KeyError:
             pass
         with self._lock:
-            if strategy not in self._sessions:
+            if strategy not in table:
+                if scope is not None and scope.closed:
+                    raise RuntimeError(f"{scope!r} is closed: no new session can be made in it.")
                 runtime = self.resolve_runtime(strategy)
                 info = self.call("polyparallel_process_info", strategy=strategy, runtime=runtime)
                 session = Session(strategy, self, info)
                 session.runtime = runtime
+                session.scope = scope
                 _routing.check_session(self, session)
-                self._sessions[strategy] = session
+                table[strategy] = session
                 if not self._atexit_registered:
                     atexit.register(self.close_sessions)
                     self._atexit_registered = True
                 self.call("polyparallel_session_start", session=session)
-            return self._sessions[strategy]
+            return table[strategy]
 
     def sessions(self) -> list[Session]:
-        """The open sessions of this process."""
-        return list(self._sessions.values())
+        """The open sessions of this process (inside a session scope: of that scope)."""
+        scope = current_session_scope()
+        return list((self._sessions if scope is None else scope.tables.get(self, {})).values())
 
     def close_sessions(self) -> None:
-        """Close every open session (runs at interpreter exit). One session failing to close does
-        not leave the others open; the first error is re-raised at the end."""
+        """Close every open session (runs at interpreter exit; inside a session scope, the scope's
+        sessions). One session failing to close does not leave the others open; the first error
+        is re-raised at the end."""
         errors = []
-        for session in list(self._sessions.values()):
+        for session in self.sessions():
             try:
                 session.close()
             except Exception as exc:
@@ -428,8 +436,9 @@ class PluginManager:
         entry[2](entry[0])
 
     def _forget_session(self, session: Session) -> None:
-        if self._sessions.get(session.strategy) is session:
-            del self._sessions[session.strategy]
+        table = self._sessions if session.scope is None else session.scope.tables.get(self, {})
+        if table.get(session.strategy) is session:
+            del table[session.strategy]
 
 
 def _unknown_hooks_message(plugin: str, unknown: list[str]) -> str:

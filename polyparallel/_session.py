@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
     from ._strategy import Strategy
     from ._topology import Topology
 
-__all__ = ["ProcessInfo", "Session", "process_info_from_env"]
+__all__ = ["ProcessInfo", "Session", "SessionScope", "current_session_scope", "process_info_from_env", "session_scope"]
 
 T = TypeVar("T")
 
@@ -46,6 +48,78 @@ def process_info_from_env() -> ProcessInfo:
     return info
 
 
+class SessionScope:
+    """The sessions of one rank, where one process runs several ranks as threads.
+
+    A session is per process per :class:`Strategy` value: that is right where every rank is a
+    process (torch, torchrun, ``polyparallel.launch``). A runtime that serves several ranks from
+    threads of one process (torch_xla on PJRT CPU devices: one thread per device) runs each
+    replica thread inside its own scope (:func:`session_scope`): every session made there
+    belongs to that scope only (its rank, its runtime objects), and closes when the scope ends.
+    """
+
+    def __init__(self, key: Hashable):
+        self.key = key
+        # Per plugin manager: strategy -> session, as a manager keeps its unscoped sessions.
+        self.tables: dict[PluginManager, dict[Strategy, Session]] = {}
+        self.closed = False
+
+    def sessions(self) -> list[Session]:
+        """The open sessions made in this scope, oldest first."""
+        return [s for table in self.tables.values() for s in table.values()]
+
+    def close(self) -> None:
+        """Close every session of the scope, newest first (the first error is re-raised at the end)."""
+        self.closed = True
+        errors = []
+        for session in reversed(self.sessions()):
+            try:
+                session.close()
+            except Exception as exc:  # keep closing the others
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __repr__(self) -> str:
+        return f"<SessionScope {self.key!r} with {len(self.sessions())} sessions>"
+
+
+_SCOPE: contextvars.ContextVar[SessionScope | None] = contextvars.ContextVar("polyparallel_session_scope", default=None)
+
+
+def current_session_scope() -> SessionScope | None:
+    """The :class:`SessionScope` this thread runs in, or ``None`` (sessions are per process)."""
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def session_scope(key: Hashable) -> Iterator[SessionScope]:
+    """Run a block as one rank of a process that runs several ranks as threads: the sessions made
+    inside belong to this scope (not to the process) and are closed when the block ends.
+
+    A runtime's launcher enters it at the start of each replica thread (``key``: the rank); user
+    code never needs it. Nesting is refused: a thread is one rank.
+    """
+    if _SCOPE.get() is not None:
+        raise RuntimeError(f"session_scope({key!r}) inside {_SCOPE.get()!r}: a thread runs one rank, "
+                           "so scopes do not nest.")
+    scope = SessionScope(key)
+    token = _SCOPE.set(scope)
+    failed = False
+    try:
+        yield scope
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        _SCOPE.reset(token)
+        try:
+            scope.close()
+        except Exception:
+            if not failed:  # the block's own error is the one to report
+                raise
+
+
 class Session:
     """One strategy's state inside one process: rank, resolved topology, runtime objects.
 
@@ -57,6 +131,8 @@ class Session:
     #: plugin manager before any hook sees the session; ``None`` when no runtime is installed.
     #: A runtime plugin's hooks answer only when it is theirs.
     runtime: str | None = None
+    #: The :class:`SessionScope` the session was made in (``None``: the process's own session).
+    scope: SessionScope | None = None
 
     def __init__(self, strategy: Strategy, manager: PluginManager, info: ProcessInfo):
         self.strategy = strategy

@@ -4,7 +4,8 @@
 #   bash tools/test.sh                 # default suite
 #   bash tools/test.sh --runslow       # include tests marked slow
 #   bash tools/test.sh tests/core -k topology   # any pytest arguments (lint and types still run)
-#   POLYPARALLEL_SKIP_LANES=1 bash tools/test.sh   # without the extra lanes (oldest Lightning)
+#   POLYPARALLEL_SKIP_LANES=1 bash tools/test.sh   # without the extra lanes (oldest Lightning, XLA)
+#   POLYPARALLEL_SKIP_XLA=1 bash tools/test.sh     # without the XLA lane only (tools/test-xla.sh)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/env.sh" || exit 1
@@ -35,6 +36,12 @@ if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ]; then
     else
         failed+=(lightning-oldest-env)
     fi
+fi
+# Lane: XLA (its own environment: torch_xla 2.9.0 needs torch 2.9.0), tools/test-xla.sh. Runs with
+# the whole suite only; POLYPARALLEL_SKIP_LANES=1 or POLYPARALLEL_SKIP_XLA=1 skips it.
+if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ] && [ "${POLYPARALLEL_SKIP_XLA:-0}" != 1 ]; then
+    echo "== pytest (XLA lane: tools/test-xla.sh)"
+    bash "$ROOT/tools/test-xla.sh" || failed+=(pytest-xla)
 fi
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "tools/test.sh: failed: ${failed[*]}" >&2

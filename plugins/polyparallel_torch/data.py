@@ -142,12 +142,17 @@ def _pass_check(session: pp.Session, what: str) -> Callable[[int], None]:
     return agree
 
 
-def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy) -> DataLoader:
+def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy,
+                 pass_check: Callable[[pp.Session, str], Callable[[int], None] | None] = _pass_check) -> DataLoader:
     """A ``DataLoader`` over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``).
 
     A loader keeps its options (workers, collate_fn, drop_last, pin_memory, generator, ...) and,
     unless the policy sets ``shuffle``, its shuffle choice; its ``batch_size`` is per rank unless
     the policy has a global one. A sampler whose meaning cannot be kept is refused.
+
+    :param pass_check: makes the sampler's per-pass agreement check (default: over the torch
+        runtime's groups); another runtime that shards through this function passes its own
+        (the XLA runtime checks in the replica's thread instead and passes one returning ``None``).
     """
     data_size = session.topology.size("data")
     if isinstance(data, DataLoader):
@@ -181,5 +186,5 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
         shuffle, options = policy.shuffles(), {}
     sampler = TopologySampler(length, session.coords["data"], data_size, seed=strategy.seed,
                               shuffle=shuffle, remainder=policy.remainder,
-                              agree=_pass_check(session, f"{length} samples, batch {batch}") if session.world_size > 1 else None)
+                              agree=pass_check(session, f"{length} samples, batch {batch}") if session.world_size > 1 else None)
     return DataLoader(dataset, batch_size=batch, sampler=sampler, **options)

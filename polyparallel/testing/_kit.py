@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -178,13 +179,19 @@ def _for_rank(value: Any, rank: int, what: str) -> Any:
 # -- what runs in each launched process ---------------------------------------------------------------
 class _ShardDataCounter:
     """A hook wrapper counting ``polyparallel_shard_data`` calls in a launched process: the
-    checks require the driver's data to go through ``strategy.shard_data``."""
+    checks require the driver's data to go through ``strategy.shard_data``. Counted per thread:
+    a runtime may run several ranks as threads of one process (torch_xla on CPU devices)."""
 
-    calls = 0
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def calls(self) -> int:
+        return getattr(self._local, "calls", 0)
 
     @hookimpl(wrapper=True)
     def polyparallel_shard_data(self) -> Any:
-        self.calls += 1
+        self._local.calls = self.calls + 1
         return (yield)
 
 
@@ -192,11 +199,15 @@ _counter = _ShardDataCounter()  # per process; registered on the bound strategy'
 _COUNTER = "polyparallel.testing.shard_data_counter"
 
 
+_register_lock = threading.Lock()  # replica threads of one process register the counter once
+
+
 def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> list[dict[str, Any]]:
     strategy = driver.bind(strategy)
     manager = strategy.plugin_manager
-    if all(p.name != _COUNTER for p in manager.plugins()):
-        manager.register(_counter, name=_COUNTER)
+    with _register_lock:
+        if all(p.name != _COUNTER for p in manager.plugins()):
+            manager.register(_counter, name=_COUNTER)
     return driver.contract(strategy)
 
 

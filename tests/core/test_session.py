@@ -214,3 +214,42 @@ def test_acquire_shares_one_resource_between_sessions_and_releases_with_the_last
     assert released == [first]
     c = Strategy(data=1, plugin_manager=manager).session()
     assert c.acquire("groups", factory, released.append) is not first  # made afresh after release
+
+
+# -- session scopes: several ranks as threads of one process -----------------------------------------------
+
+
+def test_each_session_scope_has_its_own_session_closed_when_the_scope_ends(manager):
+    import threading
+
+    class ThreadRanks:
+        @pp.hookimpl
+        def polyparallel_process_info(self):
+            scope = pp.current_session_scope()
+            return ProcessInfo(scope.key, 2, scope.key) if scope is not None else None
+
+    manager.register(ThreadRanks(), name="thread-ranks")
+    strategy = Strategy(data=2, plugin_manager=manager)
+    seen: dict[int, tuple] = {}
+
+    def replica(rank: int) -> None:
+        with pp.session_scope(rank) as scope:
+            session = strategy.session()
+            assert strategy.session() is session and manager.sessions() == [session]
+            seen[rank] = (session.rank, session.scope is scope, session)
+        seen[rank] += (session.closed, manager.sessions())
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [seen[r][:2] for r in (0, 1)] == [(0, True), (1, True)]
+    assert seen[0][2] is not seen[1][2] and all(seen[r][3] and seen[r][4] == [] for r in (0, 1))
+    assert manager.sessions() == []  # the process itself holds no session
+
+
+def test_session_scopes_do_not_nest():
+    with pp.session_scope(0), pytest.raises(RuntimeError, match="scopes do not nest"):
+        with pp.session_scope(1):
+            pass

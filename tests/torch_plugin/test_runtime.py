@@ -185,7 +185,10 @@ def test_default_group_of_the_user_survives_our_teardown(tmp_path):
         assert r["value"] == 0.5 and r["initialised"] and r["user_sum"] == 2.0, r
         # our mesh sub-groups were destroyed, the user's default group was not
         assert r["made"] > 1 and r["left"] == 1, r
-        assert r["aliased"] and r["value2"] == 1.0 and r["user_sum2"] == 2.0, r
+        assert r["value2"] == 1.0 and r["user_sum2"] == 2.0, r
+        # torch 2.13's DeviceMesh reuses the default group for a dimension spanning the world (the
+        # case this checks); torch 2.9's (the XLA lane) makes a group of its own, which is torn down.
+        assert r["aliased"] or torch.__version__ < "2.13", r
 
 
 # -- operations out of step; the broken runtime ----------------------------------------------------------

@@ -1,0 +1,266 @@
+"""Per-replica torch_xla runtime: the XLA device, replica groups per axis, checked collectives.
+
+**A rank is an XLA device.** ``torch_xla.launch`` runs the training function once per device:
+one process per device on TPU, and on PJRT CPU (``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES=N``) one
+*thread* per device in a single process. Rank, world size and local rank come from
+``torch_xla.runtime`` (``global_ordinal``, ``world_size``, ``local_ordinal``); replica threads
+each run in their own :func:`polyparallel.session_scope`, so every one has its own session and
+its own :class:`XlaRuntime` (the runtime key holds the rank).
+
+**Collectives** are XLA collectives: ``xm.all_reduce`` with the axis's replica groups (every
+group of the axis, as XLA requires, from :meth:`polyparallel.Topology.groups`), then
+``torch_xla.sync()`` so the operation has executed when it returns (values can be read, and a
+graph holding a collective is never left to an implicit sync).
+
+**Identity checks, on the host.** A collective inside an XLA graph cannot be bounded from
+Python: on PJRT CPU a rank that never joins makes the others wait in XLA's rendezvous until XLA
+aborts the whole process (after 10 s, "Termination timeout ... Exiting to ensure a consistent
+program state"), and on TPU it waits without end. So every operation is first checked on the
+host, where waiting *can* be bounded: each rank writes (operation, axis, sequence number,
+shapes) to a key-value store (``torch.distributed.HashStore`` shared by the replica threads of
+one process; a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` when the replicas are several
+processes) and waits for its group's entries no longer than ``strategy.timeout``. A rank that
+skipped an operation makes its peers fail with :class:`polyparallel.CollectiveTimeout` naming
+the operation, the axis and the rank (and the peers that did not come), before any XLA
+collective is issued; ranks at different operations get a :class:`polyparallel.CollectiveError`
+naming both sides. The XLA collective itself runs only once every rank of the group has
+announced the same operation. What stays unbounded: a peer that dies *between* the check and the
+collective (XLA's own behaviour then applies), and collectives users issue themselves.
+After a failure the runtime is broken and refuses every later operation.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import polyparallel as pp
+
+__all__ = ["HostChannel", "XlaRuntime", "get_runtime", "runtime_key"]
+
+_STASH_KEY = "polyparallel_xla.runtime"
+_CHANNEL_KEY = "polyparallel_xla.channel"
+
+
+def _sync() -> None:
+    """Execute the pending graph of this replica (``torch_xla.sync``, looked up at each call)."""
+    import torch_xla
+
+    torch_xla.sync()
+
+
+class HostChannel:
+    """Bounded host-side exchange of small descriptors between the ranks of a group.
+
+    One key per (axis, group, sequence number, rank) in a ``torch.distributed.Store``. A rank
+    writes its own entry, waits (bounded) for its group's, and deletes its previous entry once
+    every peer has written the next one (a peer that wrote entry ``s + 1`` has read entry ``s``).
+    """
+
+    def __init__(self, store: Any, timeout: float):
+        self.store = store
+        self.timeout = float(timeout)
+
+    def exchange(self, tag: str, seq: int, rank: int, ranks: Sequence[int], value: Any) -> dict[int, Any] | list[int]:
+        """Publish ``value`` under ``tag``/``seq`` and return every rank's value by rank, or the
+        ranks whose value did not arrive within the timeout."""
+        import datetime
+
+        self.store.set(f"{tag}/{seq}/{rank}", pickle.dumps(value))
+        keys = [f"{tag}/{seq}/{r}" for r in ranks]
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception:  # the store raises a timeout error whose type differs between torch releases
+            return [r for r in ranks if not self.store.check([f"{tag}/{seq}/{r}"])]
+        values = {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
+        if seq > 1:
+            self.store.delete_key(f"{tag}/{seq - 1}/{rank}")
+        return values
+
+
+def _make_channel(session: pp.Session) -> HostChannel:
+    """The store of this world: one in-process ``HashStore`` when every rank is a thread of this
+    process, else a ``TCPStore`` served by the process of rank 0 at ``MASTER_ADDR:MASTER_PORT``."""
+    import torch.distributed as dist
+    import torch_xla.runtime as xr
+
+    timeout = float(session.strategy.timeout)
+    if xr.addressable_device_count() == session.world_size:
+        return HostChannel(dist.HashStore(), timeout)
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise pp.TopologyError(
+            f"the XLA replicas of this job run in {session.world_size // xr.addressable_device_count()} processes; "
+            "polyparallel's XLA runtime checks each operation on the host through a TCP store, which needs "
+            "MASTER_ADDR and MASTER_PORT (the address of the first process's host and a free port) in every process."
+        )
+    import datetime
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=xr.process_count(),
+                          is_master=xr.process_index() == 0, timeout=datetime.timedelta(seconds=timeout))
+    return HostChannel(store, timeout)
+
+
+def runtime_key(session: pp.Session) -> tuple[Any, ...]:
+    """What defines one replica's runtime: (``"xla"``, rank, resolved topology, timeout)."""
+    return ("xla", session.rank, session.topology, float(session.strategy.timeout))
+
+
+class XlaRuntime:
+    """The torch_xla state of one replica (rank) for one group definition.
+
+    :ivar device: this replica's XLA device.
+    :ivar broken: why the runtime refuses collectives, or ``None`` while it is usable.
+    """
+
+    def __init__(self, session: pp.Session, channel: HostChannel):
+        import torch_xla
+
+        self.topology = session.topology
+        self.rank = session.rank
+        self.world_size = session.world_size
+        self.coords = dict(session.coords)
+        self.timeout_s = float(session.strategy.timeout)
+        self.device = torch_xla.device()
+        self.channel = channel
+        self.broken: str | None = None
+        self.closed = False
+        self._seq: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Drop the runtime (XLA devices need no teardown; the store is shared)."""
+        self.closed = True
+
+    def mark_broken(self, reason: str) -> None:
+        """Refuse every later collective (the first reason is kept)."""
+        if self.broken is None:
+            self.broken = reason
+
+    def group_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis`` (every rank for ``"world"``)."""
+        if axis == "world":
+            return list(range(self.world_size))
+        return self.topology.group_of(self.rank, axis)
+
+    def replica_groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis``: what ``xm.all_reduce(groups=)`` takes."""
+        if axis == "world":
+            return [list(range(self.world_size))]
+        return [list(g) for g in self.topology.groups(axis)]
+
+    def ensure_usable(self, operation: str, axis: str) -> None:
+        """Raise :class:`polyparallel.CollectiveError` if the runtime is broken or closed."""
+        if self.broken is not None or self.closed:
+            why = (f"is broken since an earlier operation failed ({self.broken}); a peer may be inside that "
+                   "operation and would pair with the next one. Restart the replicas (polyparallel.launch starts "
+                   "them afresh)." if self.broken is not None else
+                   "was closed (every session that used it was closed).")
+            raise pp.CollectiveError(f"{operation} over the {axis!r} axis refused on rank {self.rank}: this replica's "
+                                     f"XLA runtime {why}", operation=operation, axis=axis, rank=self.rank)
+
+    def check(self, operation: str, axis: str, detail: str = "", extra: Any = None,
+              refusal: str | None = None) -> dict[int, Any]:
+        """Check, on the host and bounded by the strategy's timeout, that every rank of ``axis``'s
+        group is at the same operation with the same ``detail``; return every rank's ``extra``.
+
+        :param refusal: this rank cannot run the operation (an input error it found): its peers
+            learn it here instead of waiting, and every rank raises ``TypeError``.
+        :raises polyparallel.CollectiveTimeout: a peer did not reach the operation in time.
+        :raises polyparallel.CollectiveError: the ranks are at different operations or shapes.
+        """
+        self.ensure_usable(operation, axis)
+        ranks = self.group_ranks(axis)
+        if len(ranks) == 1:
+            if refusal is not None:
+                raise TypeError(refusal)
+            return {self.rank: extra}
+        seq = self._seq[axis] = self._seq.get(axis, 0) + 1
+        mine = (operation, detail, refusal)
+        tag = f"{axis}/{ranks[0]}"
+        got = self.channel.exchange(tag, seq, self.rank, ranks, (mine, extra))
+        name = f"{operation} #{seq}"
+        if isinstance(got, list):
+            message = (f"{name} over the {axis!r} axis did not complete within the strategy's timeout of "
+                       f"{self.timeout_s:g} s on rank {self.rank} (group ranks {ranks}): rank(s) {got} never reached "
+                       f"it. Every rank of the group must call {operation}; a rank that skipped it is one operation "
+                       "behind. No XLA collective was issued.")
+            self.mark_broken(message)
+            raise pp.CollectiveTimeout(message, operation=operation, axis=axis, rank=self.rank)
+        others = {r: v[0] for r, v in got.items()}
+        if any(d != mine for d in others.values()):
+            message = _mismatch_message(self.rank, name, mine, others, axis, ranks)
+            self.mark_broken(message.splitlines()[0])
+            if refusal is not None:
+                raise TypeError(f"{refusal}\n{message}")
+            raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
+        if refusal is not None:
+            raise TypeError(refusal)
+        return {r: v[1] for r, v in got.items()}
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: str, operation: str, axis: str,
+                   scale: float = 1.0) -> None:
+        """Reduce ``tensors`` (on this device) in place over ``axis`` with one XLA all-reduce
+        (``sum``, ``max``, ``min``; then times ``scale``) and execute it. The caller checked the
+        operation first (:meth:`check`)."""
+        import torch_xla.core.xla_model as xm
+
+        self.ensure_usable(operation, axis)
+        tensors = list(tensors)
+        if not tensors:
+            return
+        if len(self.group_ranks(axis)) == 1:
+            if scale != 1.0:
+                with torch.no_grad():
+                    for t in tensors:
+                        t.mul_(scale)
+            return
+        reduce_type = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}[op]
+        try:
+            # pin_layout=False: a pinned layout builds one graph per ordinal (pytorch/xla#9089),
+            # and nothing here needs a fixed layout. A list is reduced in place, coalesced.
+            xm.all_reduce(reduce_type, tensors, scale=scale, groups=self.replica_groups(axis), pin_layout=False)
+            _sync()
+        except RuntimeError as exc:
+            message = (f"{operation} over the {axis!r} axis failed on rank {self.rank} (group ranks "
+                       f"{self.group_ranks(axis)}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+            self.mark_broken(message)
+            raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank) from exc
+
+
+def _mismatch_message(rank: int, name: str, mine: tuple[Any, ...], others: dict[int, tuple[Any, ...]], axis: str,
+                      ranks: list[int]) -> str:
+    def side(d: tuple[Any, ...]) -> str:
+        text = d[0]
+        if d[2] is not None:
+            return f"{text} (refused: {d[2]})"
+        return f"{text} ({d[1]})" if d[1] else text
+
+    other_rank, other = next((r, d) for r, d in others.items() if d != mine)
+    return "\n".join([
+        f"operations out of step over the {axis!r} axis (group ranks {ranks}) at {name}: {side(mine)} on rank {rank} "
+        f"vs {side(other)} on rank {other_rank}.",
+        "Every rank of a group must call the same polyparallel operations in the same order, with the same shapes; "
+        "no payload was exchanged. Each rank of the group called:",
+        *(f"  rank {r}: {side(d)}" for r, d in sorted(others.items())),
+        "The runtime is now broken: fix the program and restart the replicas.",
+    ])
+
+
+def get_runtime(session: pp.Session) -> XlaRuntime:
+    """The :class:`XlaRuntime` of ``session``'s replica (shared with the other sessions of the same
+    rank that define the same groups), made on first use. Makes no collective."""
+    existing = session.peek(_STASH_KEY)
+    if existing is not None:
+        return existing
+    channel_key = (_CHANNEL_KEY, session.topology, float(session.strategy.timeout))
+    channel = session.acquire(channel_key, lambda: _make_channel(session), _release_channel)
+    rt = session.acquire(runtime_key(session), lambda: XlaRuntime(session, channel), XlaRuntime.close)
+    return session.stash(_STASH_KEY, lambda: rt)
+
+
+def _release_channel(channel: HostChannel) -> None:
+    channel.store = None
+
