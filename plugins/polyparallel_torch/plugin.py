@@ -24,6 +24,9 @@ CAPABILITIES = pp.Capabilities(
     features={"ddp", "tensor_parallel_plan", "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
     # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
     imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
+    # Stages 1-3 run through an adapter that shards on this runtime's groups (DeepSpeed ZeRO);
+    # the runtime's own wrap_model shards them with FSDP2 (issue 11, torch runtime part).
+    stages={0, 1, 2, 3},
 )
 
 
