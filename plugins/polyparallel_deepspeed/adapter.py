@@ -147,10 +147,10 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     for reserved in ("mpu", "config_params", "args", "dist_init_required", "mesh_param"):
         if reserved in initialize_kwargs:
             raise TypeError(f"adapt('deepspeed') sets deepspeed.initialize's {reserved}= from the Strategy; do not pass it.")
-    session = strategy.session()
-    topology = session.topology
+    # 1. Everything that can be refused, before any process group or collective (the config first:
+    # it needs no session when the topology names every size).
+    topology = strategy.topology if strategy.topology.is_resolved else strategy.session().topology
     pipeline = topology.size("pipeline")
-    # 1. Everything that can be refused, before any process group or collective.
     ds_config = build_config(strategy, config, data_size=topology.size("data"),
                              torch_optimizer=isinstance(optimizer, torch.optim.Optimizer),
                              micro_batch_size=micro_batch_size, accumulation=accumulation)
@@ -164,6 +164,7 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     why = shm_op_available()
     if why is not None:
         raise DeepSpeedSetupError(why)
+    session = strategy.session()
 
     import deepspeed
     from polyparallel_torch.runtime import get_runtime

@@ -89,9 +89,15 @@ def state_bytes(engine: Any) -> dict[str, int]:
     """Per-rank bytes of the training state, each storage counted once: ``params`` (the module's
     parameters: ZeRO-3's partitions ``ds_tensor``), ``grads`` (the module's ``.grad``), and
     ``optimizer`` (everything else DeepSpeed's optimizer holds: the fp32 master partitions, their
-    gradients, reduced-gradient partitions, buckets, and the torch optimizer's state)."""
+    gradients, reduced-gradient partitions, and the torch optimizer's state — and its
+    communication buckets, whose size is a config knob: ``reduce_bucket_size`` is 5e8 elements by
+    default, a 2 GB buffer at ZeRO-3 that CPU memory commits only as it is written; measure with
+    small buckets to compare the state itself)."""
     seen: dict[int, int] = {}
-    params = sum(_storage_bytes(getattr(p, "ds_tensor", p), seen) for p in engine.module.parameters())
+    # ZeRO-3: the partition (ds_tensor), plus the full tensor of a parameter kept whole (below
+    # stage3_param_persistence_threshold) or gathered at the moment.
+    params = sum(_storage_bytes(t, seen) for p in engine.module.parameters() for t in (p.data, getattr(p, "ds_tensor", None))
+                 if t is not None)
     grads = sum(_storage_bytes(p.grad, seen) for p in engine.module.parameters() if p.grad is not None)
     optimizer = _storage_bytes(engine.optimizer, seen)
     return {"params": params, "grads": grads, "optimizer": optimizer, "total": params + grads + optimizer}
