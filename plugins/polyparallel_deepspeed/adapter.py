@@ -167,6 +167,7 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     session = strategy.session()
 
     import deepspeed
+
     from polyparallel_torch.runtime import get_runtime
 
     # 2. The Strategy's groups (the first collectives), then DeepSpeed's communication backend on them.

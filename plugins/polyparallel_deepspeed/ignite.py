@@ -45,7 +45,7 @@ def create_trainer(engine: Any, loss_fn: Callable[..., torch.Tensor] | None, dev
     """An ignite ``Engine`` whose iteration trains ``engine`` (a DeepSpeed engine) on one batch."""
     from ignite.engine import Engine, _prepare_batch
 
-    prepare = prepare_batch or _prepare_batch
+    prepare: Callable[..., Any] = prepare_batch or _prepare_batch
     pipeline = _is_pipeline(engine)
     if not pipeline and loss_fn is None:
         raise TypeError("create_supervised_trainer(deepspeed_engine, optimizer, loss_fn) needs loss_fn.")
@@ -71,7 +71,7 @@ def create_evaluator(engine: Any, metrics: Mapping[str, Any], device: torch.devi
     on ranks that hold outputs: the ignite adapter does)."""
     from ignite.engine import Engine, _prepare_batch
 
-    prepare = prepare_batch or _prepare_batch
+    prepare: Callable[..., Any] = prepare_batch or _prepare_batch
     transform = output_transform or (lambda x, y, y_pred: (y_pred, y))
     pipeline = _is_pipeline(engine)
 

@@ -55,9 +55,10 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
     if session.runtime != "torch" or not is_engine(states):
         return None
-    from .adapter import engine_states
     from polyparallel_torch.runtime import get_runtime
     from polyparallel_torch.states import sync
+
+    from .adapter import engine_states
 
     named: Mapping[str, Any] = engine_states(states)
     if named:

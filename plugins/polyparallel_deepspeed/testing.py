@@ -110,7 +110,7 @@ class DeepSpeedDriver(TorchDriver):
     through ``strategy.sync_states(engine)``."""
 
     target = "deepspeed"
-    unsupported = (pp.Topology(tensor=2), pp.Topology(data=2, tensor=2))
+    unsupported = (pp.Topology(data=2, tensor=2),)
     startup_seconds = 120.0  # importing deepspeed, loading its communication op
 
     def _engine(self, strategy: pp.Strategy, dtype: torch.dtype = torch.float32, **config: Any) -> Any:
