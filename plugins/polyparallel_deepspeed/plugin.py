@@ -32,6 +32,11 @@ def is_engine(obj: Any) -> bool:
 
 
 def _make_engine(strategy: pp.Strategy, **kwargs: Any) -> Any:
+    import importlib.util
+
+    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
+        raise pp.NoPluginError("adapt('deepspeed') needs DeepSpeed, which is not installed here: "
+                               "DS_BUILD_OPS=0 pip install 'polyparallel[deepspeed]'.")
     from .adapter import initialize
 
     return initialize(strategy, **kwargs)

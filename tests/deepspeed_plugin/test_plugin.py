@@ -33,9 +33,9 @@ def test_listed_by_the_cli():
     out = subprocess.run([sys.executable, "-m", "polyparallel.cli", "plugins", "--json"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    listing = json.loads(out.stdout)
-    adapters = listing["adapters"] if isinstance(listing, dict) and "adapters" in listing else listing
-    assert "deepspeed" in json.dumps(adapters)
+    listing = {p["name"]: p for p in json.loads(out.stdout)}
+    assert listing["deepspeed"]["adapters"] == ["deepspeed"]
+    assert listing["deepspeed"]["capabilities"][0]["stages"] == [0, 1, 2, 3]
 
 
 def test_hooks_leave_other_objects_to_other_plugins():
@@ -47,3 +47,17 @@ def test_hooks_leave_other_objects_to_other_plugins():
     session = pp.Strategy(data=1).session()
     assert polyparallel_sync_grads(pp.Strategy(data=1), session, module) is None
     assert polyparallel_sync_states(pp.Strategy(data=1), session, module) is None
+
+
+def test_without_deepspeed_adapt_says_what_to_install(monkeypatch):
+    """The plugin loads without DeepSpeed (the entry point is the core's); adapt() then names the
+    extra to install instead of failing inside an import."""
+    import importlib.util
+
+    if "deepspeed" not in pp.get_plugin_manager().adapters():
+        pytest.skip("the deepspeed entry point is not installed in this environment (tools/env.sh installs it)")
+    find_spec = importlib.util.find_spec
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)  # restored after the test
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
+    with pytest.raises(pp.NoPluginError, match=r"needs DeepSpeed, which is not installed here: DS_BUILD_OPS=0 pip install"):
+        pp.Strategy(data=2, batch_size=8).adapt("deepspeed", model=None)
