@@ -20,7 +20,7 @@ SMALL_BUCKETS = {"reduce_bucket_size": 4096, "allgather_bucket_size": 4096, "sta
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
 
 
 def _adapt(strategy, **kwargs):
@@ -91,7 +91,7 @@ def _engines(strategy):
         engine = strategy.replace(zero=stage).adapt(
             "deepspeed", model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
             config={"zero_optimization": SMALL_BUCKETS, "steps_per_print": 1000})
-        x = torch.randn(4, 128) + strategy.session().rank
+        x = torch.randn(4, 256) + strategy.session().rank
         for _ in range(2):  # optimizer state exists after a step; gradients after the last backward
             engine.backward(engine(x).square().mean())
             engine.step()
