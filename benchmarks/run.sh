@@ -27,5 +27,7 @@ OUT=benchmarks/results/latest.md
     timeout -k 10 1200 python benchmarks/bench_jax.py "${QUICK[@]}" --json benchmarks/results/jax.json
     echo '```'; echo; echo '## Sharding (zero=3, FSDP2)'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_sharding.py "${QUICK[@]}" --json benchmarks/results/sharding.json
+    echo '```'; echo; echo '## DeepSpeed adapter'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_deepspeed.py "${QUICK[@]}" --json benchmarks/results/deepspeed.json
     echo '```'
 } 2> >(grep -v -e '^W1' -e 'Warning' >&2) | tee "$OUT"

@@ -17,7 +17,10 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     # torch first, pinned to the CPU wheel this machine serves locally; later installs of
     # "torch>=2.13,<2.14" are then satisfied and download nothing.
     "${PIP[@]}" "torch==2.13.0"
-    "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
+    # DeepSpeed (extra `deepspeed`) installs as pure Python: DS_BUILD_OPS=0 builds no op now; the
+    # one op the CPU path needs (shared-memory collectives) is compiled on first use and cached in
+    # TORCH_EXTENSIONS_DIR (below). Set for this install only.
+    DS_BUILD_OPS=0 "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
     # fastai requires torchvision, and PyPI's torchvision is built against PyPI's CUDA torch: next
     # to the CPU wheel above its operators cannot load, and importing it raises ("operator
     # torchvision::nms does not exist") — which breaks `import pytorch_lightning` (torchmetrics
@@ -33,3 +36,10 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# DeepSpeed compiles its CPU ops on first use (~80 s) into TORCH_EXTENSIONS_DIR; keep that build in
+# a project-local cache so later runs (tests, demo, benchmarks) reuse it. Only the shells that
+# source this script (tools/test.sh, tools/demo.sh, benchmarks/run.sh) see it; the user's
+# environment and an `import polyparallel_deepspeed` are left alone. DS_ACCELERATOR=cpu skips
+# DeepSpeed's accelerator probe on this CPU-only machine.
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.torch_extensions}"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"

@@ -24,6 +24,7 @@ call ignite's factories with the right device and attach (and run pipelines when
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,6 +48,19 @@ def full_output(y_pred: Any) -> Any:
 def _set_epoch(engine: Any, sampler: Any) -> None:
     """``EPOCH_STARTED`` handler of :meth:`IgniteAdapter.attach`: epochs count from 0 in samplers."""
     sampler.set_epoch(engine.state.epoch - 1)
+
+
+def _is_deepspeed_engine(model: Any) -> bool:
+    # An engine from strategy.adapt("deepspeed") (the plugin polyparallel_deepspeed) steps itself;
+    # recognised without importing deepspeed.
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    return engine is not None and isinstance(model, engine.DeepSpeedEngine)
+
+
+def _deepspeed() -> Any:
+    from polyparallel_deepspeed import ignite
+
+    return ignite
 
 
 def _unregister(engine_ref: weakref.ref[Any]) -> None:
@@ -203,10 +217,14 @@ class IgniteAdapter:
         With ``pipeline > 1`` (``model`` a ``PipelineModel``) the trainer runs a GPipe step; its
         output is the loss on the last stage and ``None`` on the others. The optimizer should
         come from :meth:`auto_optim` (gradients of replicas averaged before ``step()``).
+        ``model`` may be a DeepSpeed engine from ``strategy.adapt("deepspeed")`` (``optimizer``
+        ``None``: the engine steps its own; see :mod:`polyparallel_deepspeed.ignite`).
         """
         from polyparallel_torch.pipeline import PipelineModel
 
-        if isinstance(model, PipelineModel):
+        if _is_deepspeed_engine(model):
+            engine = _deepspeed().create_trainer(model, loss_fn, self.device, **kwargs)
+        elif isinstance(model, PipelineModel):
             engine = self._pipeline_trainer(model, optimizer, loss_fn, **kwargs)
         else:
             from ignite.engine import create_supervised_trainer
@@ -221,12 +239,15 @@ class IgniteAdapter:
 
         Metrics are attached only on ranks that hold outputs (the last pipeline stage); the others
         run the forward pass and leave ``state.metrics`` empty, without waiting on anyone.
-        Tensor-parallel ``DTensor`` outputs are gathered before metrics see them.
+        Tensor-parallel ``DTensor`` outputs are gathered before metrics see them. ``model`` may be
+        a DeepSpeed engine from ``strategy.adapt("deepspeed")``.
         """
         from polyparallel_torch.pipeline import PipelineModel
 
         metrics = dict(metrics or {}) if self.holds_metrics else {}
-        if isinstance(model, PipelineModel):
+        if _is_deepspeed_engine(model):
+            engine = _deepspeed().create_evaluator(model, metrics, self.device, **kwargs)
+        elif isinstance(model, PipelineModel):
             engine = self._pipeline_evaluator(model, **kwargs)
             for name, metric in metrics.items():
                 metric.attach(engine, name)

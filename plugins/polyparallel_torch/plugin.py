@@ -43,6 +43,7 @@ CAPABILITIES = TorchCapabilities(
     # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
     imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
     # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
+    # Adapters that shard on this runtime's groups themselves (DeepSpeed ZeRO) need the stage here too.
     stages={0, 1, 2, 3},
 )
 

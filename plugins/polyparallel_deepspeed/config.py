@@ -1,0 +1,163 @@
+"""The DeepSpeed config a Strategy implies, merged with the user's own options.
+
+Framework-free (no torch, no deepspeed import): the whole decision is made, and every
+contradiction refused, before any process group or collective exists.
+
+What the Strategy decides (a user value that differs is an error naming both):
+
+======================================  =============================================================
+DeepSpeed key                           from
+======================================  =============================================================
+``zero_optimization.stage``             ``strategy.shard_policy.stage`` (``Strategy(zero=)``)
+``train_batch_size``                    ``strategy.data_policy.batch_size`` (the global batch) when set
+``train_micro_batch_size_per_gpu``,     filled so that ``train_batch_size = micro x accumulation x data``
+``gradient_accumulation_steps``         (``data`` = the topology's data size), DeepSpeed's own rule
+======================================  =============================================================
+
+Defaults that make DeepSpeed behave as plain PyTorch does unless the user asks otherwise
+(each one only where the user's config does not set the key):
+
+- ``gradient_clipping: 0.0`` — DeepSpeed clips the gradient norm at 1.0 by default.
+- ``zero_allow_untested_optimizer: true`` when a torch optimizer object is given at ZeRO >= 1
+  (DeepSpeed refuses any optimizer it did not write otherwise; torch's optimizers work, and the
+  parity tests check SGD at every stage).
+- ``optimizer: {"type": "Adam", ...}`` gets ``params.adam_w_mode: false``: DeepSpeed's "Adam"
+  (with or without ``torch_adam``) silently runs AdamW (decoupled weight decay) unless
+  ``adam_w_mode`` is set, where PyTorch's ``Adam`` adds weight decay to the gradient. Set
+  ``adam_w_mode: true`` (or ``"type": "AdamW"``) to get AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import polyparallel as pp
+
+__all__ = ["PIPELINE_ZERO_REASON", "build_config", "check_strategy"]
+
+#: DeepSpeed's own reason (``PipelineEngine.__init__`` asserts it): the pipeline engine schedules
+#: the gradient all-reduce itself, which ZeRO 2/3's partitioned gradients cannot take part in.
+PIPELINE_ZERO_REASON = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_strategy(strategy: pp.Strategy) -> None:
+    """Refuse what DeepSpeed cannot run, before anything starts: pipeline > 1 with ZeRO 2 or 3.
+
+    (The adapter's capabilities already refuse axes and stages it does not run at all.)"""
+    stage = strategy.shard_policy.stage
+    pipeline = strategy.topology.size("pipeline")
+    if pipeline != 1 and stage >= 2:
+        raise pp.UnsupportedTopologyError(
+            f"The 'deepspeed' adapter cannot run pipeline={pipeline} with Strategy(zero={stage}): DeepSpeed says "
+            f"{PIPELINE_ZERO_REASON!r} (its pipeline engine reduces gradients itself). Use zero=0 or zero=1 with a "
+            "pipeline, or pipeline=1 for ZeRO 2/3.")
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise pp.TopologyError(f"DeepSpeed config {name} must be a positive int. Received: {value!r}.")
+    return value
+
+
+def _resolve_batch(config: dict[str, Any], strategy: pp.Strategy, data: int, micro_batch_size: int | None,
+                   accumulation: int | None) -> None:
+    given = {k: _positive_int(k, config[k]) for k in _BATCH_KEYS if config.get(k) is not None}
+    for key, value, arg in (("train_micro_batch_size_per_gpu", micro_batch_size, "micro_batch_size"),
+                            ("gradient_accumulation_steps", accumulation, "accumulation")):
+        if value is None:
+            continue
+        value = _positive_int(arg, value)
+        if key in given and given[key] != value:
+            raise pp.TopologyError(f"adapt('deepspeed', {arg}={value}) contradicts the config's {key}={given[key]}; "
+                                   "give one of them.")
+        given[key] = value
+    strategy_batch = strategy.data_policy.batch_size
+    total = given.get("train_batch_size")
+    if strategy_batch is not None and total is not None and total != strategy_batch:
+        raise pp.TopologyError(
+            f"The DeepSpeed config's train_batch_size={total} contradicts the Strategy's global batch size "
+            f"{strategy_batch} ({strategy!r}). Drop train_batch_size from the config (the adapter fills it from the "
+            "Strategy) or make them equal.")
+    total = strategy_batch if strategy_batch is not None else total
+    micro = given.get("train_micro_batch_size_per_gpu")
+    steps = given.get("gradient_accumulation_steps")
+    rule = f"train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data ({data})"
+    if total is None:
+        if micro is None:
+            raise pp.TopologyError(
+                "The DeepSpeed adapter needs a batch size: set the global one on the Strategy "
+                "(Strategy(batch_size=...)), or train_micro_batch_size_per_gpu in the config (or micro_batch_size=).")
+        steps = steps or 1
+        total = micro * steps * data
+    elif micro is None:
+        steps = steps or 1
+        if total % (steps * data):
+            raise pp.TopologyError(
+                f"The global batch size {total} does not divide into gradient_accumulation_steps={steps} x data={data} "
+                f"micro-batches ({rule}). Choose a batch size that is a multiple of {steps * data}.")
+        micro = total // (steps * data)
+    elif steps is None:
+        if total % (micro * data):
+            raise pp.TopologyError(
+                f"The global batch size {total} is not a multiple of train_micro_batch_size_per_gpu={micro} x data={data} "
+                f"({rule}). Choose a micro-batch size that divides {total // data if total % data == 0 else total}.")
+        steps = total // (micro * data)
+    if micro * steps * data != total:
+        raise pp.TopologyError(
+            f"The DeepSpeed batch sizes contradict the Strategy: train_micro_batch_size_per_gpu={micro} x "
+            f"gradient_accumulation_steps={steps} x data={data} = {micro * steps * data}, but the global batch size is "
+            f"{total} ({rule}; data is the Strategy's data size).")
+    config.update(train_batch_size=total, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=steps)
+
+
+def build_config(strategy: pp.Strategy, config: Mapping[str, Any] | None = None, *, data_size: int | None = None,
+                 torch_optimizer: bool = False, micro_batch_size: int | None = None,
+                 accumulation: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for ``strategy``: the user's ``config`` (a copy; never changed) with
+    the Strategy's ZeRO stage and batch sizes, and the PyTorch-like defaults of this module.
+
+    :param data_size: the data axis size (default: the strategy's, which must then be resolved).
+    :param torch_optimizer: a torch optimizer object is passed to ``deepspeed.initialize``.
+    :param micro_batch_size, accumulation: ``train_micro_batch_size_per_gpu`` and
+        ``gradient_accumulation_steps`` given as arguments instead of config keys.
+    :raises polyparallel.TopologyError: a user value contradicts the Strategy (named both), or the
+        batch sizes do not fit together.
+    :raises polyparallel.UnsupportedTopologyError: pipeline > 1 with ZeRO 2/3.
+    """
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise TypeError(f"adapt('deepspeed', config=) must be a dict of DeepSpeed options (a path is not read here: "
+                        f"json.load it first). Received: {type(config).__name__}.")
+    check_strategy(strategy)
+    out: dict[str, Any] = copy.deepcopy(dict(config))
+    stage = strategy.shard_policy.stage
+    zero = out.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise pp.TopologyError(f"DeepSpeed config zero_optimization must be a dict. Received: {zero!r}.")
+    zero = dict(zero)
+    if "stage" in zero and zero["stage"] != stage:
+        raise pp.TopologyError(
+            f"The DeepSpeed config's zero_optimization.stage={zero['stage']!r} contradicts the Strategy's sharding stage "
+            f"zero={stage} ({strategy!r}). Set the stage once, on the Strategy (Strategy(zero=N)); the adapter writes it "
+            "into the config.")
+    zero["stage"] = stage
+    out["zero_optimization"] = zero
+    data = strategy.topology.size("data") if data_size is None else data_size
+    if data < 1:
+        raise pp.TopologyError(f"build_config() needs a resolved data size; the topology is {strategy.topology!r}: "
+                               "pass data_size=.")
+    _resolve_batch(out, strategy, data, micro_batch_size, accumulation)
+    out.setdefault("gradient_clipping", 0.0)
+    if torch_optimizer and stage >= 1:
+        out.setdefault("zero_allow_untested_optimizer", True)
+    optimizer = out.get("optimizer")
+    if isinstance(optimizer, Mapping) and str(optimizer.get("type", "")).lower() == "adam":
+        params = dict(optimizer.get("params") or {})
+        params.setdefault("adam_w_mode", False)
+        out["optimizer"] = {**optimizer, "params": params}
+    return out

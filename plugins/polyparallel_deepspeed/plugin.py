@@ -1,0 +1,78 @@
+"""Hook implementations of the DeepSpeed plugin (entry point ``deepspeed``).
+
+Importing this module is cheap: torch and deepspeed are imported inside the factories, and the
+hooks recognise a DeepSpeed engine only when deepspeed is already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import polyparallel as pp
+from polyparallel import hookimpl
+
+__all__ = ["CAPABILITIES", "is_engine"]
+
+#: Data parallelism (ZeRO 0-3 over the data axis) and DeepSpeed's pipeline engine (with data);
+#: on the torch runtime, whose process groups DeepSpeed uses. Pipeline with ZeRO 2/3 is refused
+#: by the adapter before any collective (``config.check_strategy``), with DeepSpeed's reason.
+CAPABILITIES = pp.Capabilities(
+    "deepspeed", axes={"data", "pipeline"}, stages={0, 1, 2, 3}, runtimes={"torch"},
+    features={"zero", "pipeline_module", "mpu_from_topology", "metrics_over_data_group", "timeouts"},
+)
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a DeepSpeed engine (``DeepSpeedEngine``, ``PipelineEngine``), without
+    importing deepspeed (an engine exists only once it is imported)."""
+    module = sys.modules.get("deepspeed.runtime.engine")
+    return module is not None and isinstance(obj, module.DeepSpeedEngine)
+
+
+def _make_engine(strategy: pp.Strategy, **kwargs: Any) -> Any:
+    import importlib.util
+
+    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
+        raise pp.NoPluginError("adapt('deepspeed') needs DeepSpeed, which is not installed here: "
+                               "DS_BUILD_OPS=0 pip install 'polyparallel[deepspeed]'.")
+    from .adapter import initialize
+
+    return initialize(strategy, **kwargs)
+
+
+@hookimpl
+def polyparallel_register_adapters(register: Any) -> None:
+    register("deepspeed", _make_engine, capabilities=CAPABILITIES,
+             description="DeepSpeed: deepspeed.initialize with the ZeRO stage, batch sizes and process groups of "
+                         "the Strategy (PipelineModule when pipeline > 1); returns the engine")
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
+    # DeepSpeed reduces (ZeRO 2/3: reduce-scatters) gradients itself in engine.backward() / the
+    # pipeline schedule: a documented no-op, so a loop written for plain torch runs unchanged.
+    return target if is_engine(target) else None
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
+    if session.runtime != "torch" or not is_engine(states):
+        return None
+    from polyparallel_torch.runtime import get_runtime
+    from polyparallel_torch.states import sync
+
+    from .adapter import engine_states
+
+    named: Mapping[str, Any] = engine_states(states)
+    if named:
+        sync(named, get_runtime(session), strategy)
+    return states
+
+
+@hookimpl
+def polyparallel_register_demos(register: Any) -> None:
+    from .demo import run_demo
+
+    register("deepspeed", run_demo)
