@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +48,9 @@ class Capabilities:
     :param stages: the sharding stages (:class:`polyparallel.ShardPolicy`, ``Strategy(zero=)``) the
         target runs: ``{0}`` (the default) is plain replication; a runtime or adapter adds 1, 2, 3
         as it implements them. A strategy needs its stage in the runtime's and the adapter's set.
+    :param stages_with: stages allowed only when an axis is > 1, as ``{axis: (stages, reason)}``:
+        ``{"pipeline": ({0, 1}, "the pipeline engine reduces gradients itself")}`` refuses zero=2
+        and zero=3 with pipeline > 1, before launch, giving the reason.
     :param runtimes: *adapters*: the runtimes the adapter runs on (``{"torch"}`` for Lightning);
         empty means any. ``Strategy.adapt`` refuses a strategy whose runtime is not one of them.
     """
@@ -62,10 +65,12 @@ class Capabilities:
     priority: int
     runtimes: frozenset[str]
     stages: frozenset[int]
+    stages_with: tuple[tuple[str, frozenset[int], str], ...]
 
     def __init__(self, target: str, axes: Iterable[str] = ("data",), features: Iterable[str] = (), plugin: str = "",
                  excludes: Iterable[Iterable[str]] = (), imports: Iterable[str] = (), backends: Iterable[str] = (),
-                 priority: int = 0, runtimes: Iterable[str] = (), stages: Iterable[int] = (0,)):
+                 priority: int = 0, runtimes: Iterable[str] = (), stages: Iterable[int] = (0,),
+                 stages_with: Mapping[str, tuple[Iterable[int], str]] | tuple[tuple[str, frozenset[int], str], ...] | None = None):
         # Any collection of names is accepted; frozensets are stored (hashable, comparable to sets).
         if not isinstance(target, str) or not target:
             raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {target!r}.")
@@ -86,6 +91,20 @@ class Capabilities:
             raise ValueError(f"Capabilities({target!r}, stages=) must be a non-empty collection of stages from "
                              f"{SHARD_STAGES}. Received: {stages!r}.")
         object.__setattr__(self, "stages", stage_set)
+        limits = []
+        # The stored form (a tuple of (axis, stages, reason)) comes back through dataclasses.replace.
+        items = ([(a, (st, r)) for a, st, r in stages_with] if isinstance(stages_with, tuple)
+                 else list((stages_with or {}).items()))
+        for axis, spec in items:
+            if axis not in AXES or not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], str)):
+                raise ValueError(f"Capabilities({target!r}, stages_with=) maps an axis of {AXES} to (stages, reason). "
+                                 f"Received: {axis!r}: {spec!r}.")
+            allowed = frozenset(spec[0])
+            if not allowed <= stage_set:
+                raise ValueError(f"Capabilities({target!r}, stages_with=) allows stages {sorted(allowed)} with {axis} > 1, "
+                                 f"not all among stages={sorted(stage_set)}.")
+            limits.append((axis, allowed, spec[1]))
+        object.__setattr__(self, "stages_with", tuple(sorted(limits, key=lambda x: x[0])))
         unknown = sorted((self.axes | set().union(*self.excludes)) - set(AXES))
         if unknown:
             raise ValueError(f"Capabilities({target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
@@ -100,6 +119,14 @@ class Capabilities:
                 f"{', '.join(map(str, sorted(self.stages)))}. Set Strategy(zero=) to one of them, or use a target "
                 f"that runs stage {stage} (`polyparallel plugins` lists each target's stages)."
             )
+        for axis, allowed, reason in self.stages_with:
+            if topology.size(axis) != 1 and stage not in allowed:
+                by = f" (plugin {self.plugin!r})" if self.plugin else ""
+                raise UnsupportedTopologyError(
+                    f"{self.target!r}{by} cannot run sharding stage zero={stage} with {axis}={topology.size(axis)}: "
+                    f"{reason}. With {axis} > 1 it runs stage(s) {', '.join(map(str, sorted(allowed)))}; set "
+                    f"Strategy(zero=) to one of them, or {axis}=1."
+                )
         missing = [a for a in topology.parallel_axes() if a not in self.axes]
         if missing:
             wanted = ", ".join(f"{a}={topology.size(a)}" for a in missing)
@@ -134,4 +161,5 @@ class Capabilities:
         return {"target": self.target, "axes": sorted(self.axes), "features": sorted(self.features),
                 "plugin": self.plugin, "excludes": [sorted(e) for e in self.excludes],
                 "imports": sorted(self.imports), "backends": sorted(self.backends), "priority": self.priority,
-                "runtimes": sorted(self.runtimes), "stages": sorted(self.stages)}
+                "runtimes": sorted(self.runtimes), "stages": sorted(self.stages),
+                "stages_with": {axis: sorted(allowed) for axis, allowed, _ in self.stages_with}}

@@ -20,23 +20,7 @@ __all__: list[str] = []
 RUNTIME = "torch"
 
 
-class TorchCapabilities(pp.Capabilities):
-    """The torch runtime's capabilities, plus the stage x axis combinations it refuses before
-    launch: zero=1 with tensor > 1 (``ZeroRedundancyOptimizer`` steps and broadcasts whole
-    parameters, not DTensor shards; zero=2 and zero=3 shard tensor-parallel modules)."""
-
-    def check(self, topology: pp.Topology, stage: int = 0) -> None:
-        super().check(topology, stage)
-        if stage == 1 and topology.size("tensor") > 1:
-            by = f" (plugin {self.plugin!r})" if self.plugin else ""
-            raise pp.UnsupportedTopologyError(
-                f"{self.target!r}{by} cannot run sharding stage zero=1 with tensor={topology.size('tensor')}: its "
-                "stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole parameters, not "
-                "tensor-parallel shards. Use zero=2 or zero=3 (FSDP2 over data on the 2-D mesh), or zero=0."
-            )
-
-
-CAPABILITIES = TorchCapabilities(
+CAPABILITIES = pp.Capabilities(
     RUNTIME, axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
     features={"ddp", "fsdp2", "zero_redundancy_optimizer", "dcp_checkpoint", "tensor_parallel_plan",
               "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
@@ -45,6 +29,9 @@ CAPABILITIES = TorchCapabilities(
     # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
     # Adapters that shard on this runtime's groups themselves (DeepSpeed ZeRO) need the stage here too.
     stages={0, 1, 2, 3},
+    stages_with={"tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts "
+                                       "whole parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with "
+                                       "FSDP2 over data on the 2-D mesh)")},
 )
 
 

@@ -57,7 +57,7 @@ def test_to_dict_is_json_ready():
     caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
     d = caps.to_dict()
     assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch",
-                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": [], "stages": [0]}
+                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": [], "stages": [0], "stages_with": {}}
     runtime = Capabilities("rt", imports={"torch"}, backends={"nccl", "gloo"}, priority=3).to_dict()
     assert (runtime["imports"], runtime["backends"], runtime["priority"]) == (["torch"], ["gloo", "nccl"], 3)
     assert Capabilities("adapter", runtimes={"torch"}).to_dict()["runtimes"] == ["torch"]
@@ -144,3 +144,21 @@ def test_stages_default_to_replication_and_are_checked():
     for bad in ((), (0, 5), "0", (True,)):
         with pytest.raises(ValueError, match="stages="):
             pp.Capabilities("z", stages=bad)
+
+
+def test_stages_with_an_axis_are_refused_with_the_reason():
+    caps = pp.Capabilities("x", axes={"data", "pipeline"}, stages={0, 1, 2, 3},
+                           stages_with={"pipeline": ({0, 1}, "the engine reduces gradients itself")})
+    for stage in (0, 1, 2, 3):
+        caps.check(pp.Topology(data=2), stage)
+    caps.check(pp.Topology(data=2, pipeline=2), 1)
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match=r"'x' cannot run sharding stage zero=2 with pipeline=2: the engine reduces gradients itself\. "
+                             r"With pipeline > 1 it runs stage\(s\) 0, 1; set Strategy\(zero=\) to one of them, or pipeline=1\."):
+        caps.check(pp.Topology(data=2, pipeline=2), 2)
+    assert caps.to_dict()["stages_with"] == {"pipeline": [0, 1]}
+    assert dataclasses.replace(caps, plugin="p") == dataclasses.replace(caps, plugin="p")  # the manager's copy
+    with pytest.raises(ValueError, match=r"not all among stages=\[0\]"):
+        pp.Capabilities("y", stages_with={"pipeline": ({0, 1}, "why")})
+    with pytest.raises(ValueError, match=r"maps an axis of .* to \(stages, reason\)"):
+        pp.Capabilities("y", stages_with={"expert": ({0}, "why")})

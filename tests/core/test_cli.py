@@ -105,7 +105,7 @@ def test_plugins_json_lists_the_installed_records_plugin(python):
     assert records["adapters"] == ["records"]
     assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records",
                                         "excludes": [], "imports": [], "backends": [], "priority": 0,
-                                        "runtimes": [], "stages": [0]}]
+                                        "runtimes": [], "stages": [0], "stages_with": {}}]
 
 
 def test_plugins_table(python):

@@ -37,7 +37,7 @@ def _adapt(strategy, **kwargs):
     (pp.Strategy(data=2, batch_size=8), {"micro_batch_size": 2, "accumulation": 1}, pp.TopologyError,
      r"train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 x data=2 = 4, but the global batch size is 8"),
     (pp.Strategy(data=2, pipeline=2, zero=2, batch_size=8), {}, pp.UnsupportedTopologyError,
-     r"cannot run pipeline=2 with Strategy\(zero=2\): DeepSpeed says 'ZeRO-2 and ZeRO-3 are incompatible"),
+     r"cannot run sharding stage zero=2 with pipeline=2: DeepSpeed says 'ZeRO-2 and ZeRO-3 are incompatible"),
     (pp.Strategy(data=2, pipeline=2, zero=3, batch_size=8), {}, pp.UnsupportedTopologyError,
      r"incompatible with pipeline parallelism"),
     (pp.Strategy(data=2, tensor=2, batch_size=8), {}, pp.UnsupportedTopologyError,

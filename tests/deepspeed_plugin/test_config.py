@@ -78,6 +78,10 @@ def test_contradictions_name_both_sides(strategy, config, kwargs, message):
         build_config(strategy, config, **kwargs)
 
 
+def _never_called() -> None:
+    raise AssertionError("launch started a process")
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_2_3_with_a_pipeline_is_refused_with_deepspeeds_reason(stage):
     strategy = pp.Strategy(data=2, pipeline=2, zero=stage, batch_size=8)
@@ -86,6 +90,11 @@ def test_zero_2_3_with_a_pipeline_is_refused_with_deepspeeds_reason(stage):
     with pytest.raises(pp.UnsupportedTopologyError, match=PIPELINE_ZERO_REASON):
         build_config(strategy)
     check_strategy(strategy.replace(zero=1))  # ZeRO 0/1 run with a pipeline
+    # The adapter's capabilities say so too, so the core refuses it before any process starts.
+    with pytest.raises(pp.UnsupportedTopologyError, match=f"zero={stage} with pipeline=2: DeepSpeed says.*{PIPELINE_ZERO_REASON}"):
+        strategy.check("deepspeed", world_size=4)
+    with pytest.raises(pp.UnsupportedTopologyError, match=PIPELINE_ZERO_REASON):
+        pp.launch(_never_called, strategy, nprocs=4, runtime="deepspeed")
 
 
 def test_config_must_be_a_mapping():
