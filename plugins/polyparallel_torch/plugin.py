@@ -23,7 +23,9 @@ RUNTIME = "torch"
 class TorchCapabilities(pp.Capabilities):
     """The torch runtime's capabilities, plus the stage x axis combinations it refuses before
     launch: zero=1 with tensor > 1 (``ZeroRedundancyOptimizer`` steps and broadcasts whole
-    parameters, not DTensor shards; zero=2 and zero=3 shard tensor-parallel modules)."""
+    parameters, not DTensor shards; zero=2 and zero=3 shard tensor-parallel modules), and zero=1
+    with pipeline > 1 and data > 1 (the stages' replicas are FSDP2 modules, whose DTensor
+    parameters ``ZeroRedundancyOptimizer`` cannot broadcast)."""
 
     def check(self, topology: pp.Topology, stage: int = 0) -> None:
         super().check(topology, stage)
@@ -33,6 +35,14 @@ class TorchCapabilities(pp.Capabilities):
                 f"{self.target!r}{by} cannot run sharding stage zero=1 with tensor={topology.size('tensor')}: its "
                 "stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole parameters, not "
                 "tensor-parallel shards. Use zero=2 or zero=3 (FSDP2 over data on the 2-D mesh), or zero=0."
+            )
+        if stage == 1 and topology.size("pipeline") > 1 and topology.size("data") > 1:
+            by = f" (plugin {self.plugin!r})" if self.plugin else ""
+            raise pp.UnsupportedTopologyError(
+                f"{self.target!r}{by} cannot run sharding stage zero=1 with pipeline={topology.size('pipeline')} x "
+                f"data={topology.size('data')}: each pipeline stage is replicated over data by FSDP2 (its parameters "
+                "are DTensors), and stage 1 is torch's ZeroRedundancyOptimizer, which cannot broadcast DTensors. "
+                "Use zero=2 (also shards gradients, one reduce-scatter per step) or zero=3, or zero=0."
             )
 
 
