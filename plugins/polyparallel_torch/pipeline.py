@@ -17,10 +17,12 @@ gradients; no process group is made for it. ``strategy.sync_grads(model)`` is th
 identity check only); no pipeline path uses the hand-bucketed ``sync_grads``. zero=1 with
 ``data > 1`` is refused before launch: ``ZeroRedundancyOptimizer`` cannot broadcast the stage's
 DTensor parameters ("c10d.broadcast_ does not have a sharding strategy", torch 2.13).
-Why not DDP at zero=0/1: DDP's reducer, driven by the schedule's per-micro-batch backward, fails
-its bucket rebuild on the second step with more than one micro-batch ("rebuilt parameter indices
-size is not same as original model parameters size", torch 2.13), and ``static_graph=True`` runs
-but gives wrong gradients. Every send/receive is bounded by the
+Why not DDP at zero=0/1: with the ``PipelineStage`` built around the DDP module, as pipelining
+expects (forward and every micro-batch's backward under ``no_sync``, ``prepare_for_backward``
+before the last), DDP's reducer records each parameter once per micro-batch in its first step
+and asserts on the second ("rebuilt parameter indices size is not same as original model
+parameters size. Original model param size is: 4 versus rebuilt params size of: 8", 2
+micro-batches, torch 2.13); ``static_graph=True`` runs but gives wrong gradients. Every send/receive is bounded by the
 group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank; each step
 starts with the runtime's identity check over the pipeline group, so a stage that runs another
 step (an evaluation while its peers train, another batch size) fails at once naming both sides.
