@@ -12,7 +12,9 @@ unwrapped module's (no ``module.`` prefix from DDP; a pipeline stage keeps the u
 names), and a checkpoint loads into the bare module it came from.
 
 Loading first compares the checkpoint's keys and shapes with the model's, on every rank, before
-any collective: a checkpoint of another model is refused with the keys that differ. Both calls
+any collective: a checkpoint of another model is refused with the keys that differ. A pipeline
+stage holds only its own keys, so for a ``PipelineModel`` every stage's keys are gathered over the
+pipeline group first and the whole model's are compared (and checked in the identity check). Both calls
 then run the runtime's identity check over every rank (all at the same save/load of the same
 path) before DCP's own collectives over the default group (bounded by the strategy's timeout).
 """
@@ -66,6 +68,20 @@ def _check_identity(strategy: pp.Strategy, operation: str, path: str, keys: list
         rt.check(operation, "world", f"{os.path.abspath(path)}, {len(keys)} keys {digest}")
 
 
+def _all_stages(strategy: pp.Strategy, model: Any, entries: dict[str, Any], operation: str) -> dict[str, Any]:
+    """``entries`` (key -> shape) of every pipeline stage: each rank of a ``PipelineModel`` holds its
+    own stage's keys only, so they are gathered over the pipeline group (one collective, run by
+    every rank). Any other model: ``entries`` as they are (no collective)."""
+    from .pipeline import PipelineModel
+
+    if not isinstance(model, PipelineModel) or model.num_stages == 1:
+        return entries
+    merged: dict[str, Any] = {}
+    for part in get_runtime(strategy.session()).all_gather_object(entries, f"{operation} (stage keys)", "pipeline"):
+        merged.update(part)
+    return merged
+
+
 def save_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, model: Any,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write ``model`` (and ``optimizer``) as one DCP checkpoint in the directory ``path``.
@@ -84,7 +100,8 @@ def save_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, mode
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optim"] = optim_state
-    _check_identity(strategy, "save_checkpoint", str(path), sorted(model_state))
+    _check_identity(strategy, "save_checkpoint", str(path),
+                    sorted(_all_stages(strategy, model, dict.fromkeys(model_state), "save_checkpoint")))
     rt = get_runtime(strategy.session())
     with rt.collective("save_checkpoint (DCP)", "world"):
         dcp.save(state, checkpoint_id=os.fspath(path))
@@ -111,8 +128,9 @@ def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, mode
     """Load a :func:`save_checkpoint` directory into ``model`` (and ``optimizer``) in place, at
     any topology and stage (DCP reshards), or into a plain module with ``pp.Strategy(data=1)``.
 
-    :raises ValueError: on every rank, before any collective, when the checkpoint holds another
-        model (keys or shapes differ; the message names them) or no optimizer state was saved.
+    :raises ValueError: on every rank, before any collective (for a ``PipelineModel``: after
+        only the gather of its stages' keys over the pipeline group), when the checkpoint holds
+        another model (keys or shapes differ; the message names them) or no optimizer state was saved.
     :raises FileNotFoundError: ``path`` holds no DCP checkpoint.
     """
     import torch.distributed.checkpoint as dcp
@@ -130,6 +148,7 @@ def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, mode
               for k, v in metadata.state_dict_metadata.items() if k.startswith("model.")}
     model_state, optim_state = get_state_dict(module, optimizers)
     expected = {k: (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
+    expected = _all_stages(strategy, model, expected, "load_checkpoint")  # a pipeline: the whole model's
     problem = _mismatch(expected, stored)
     if problem is not None:
         raise ValueError(f"load_checkpoint: {path!r} holds another model than {type(module).__name__}: {problem}. "
@@ -140,7 +159,7 @@ def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, mode
     state: dict[str, Any] = {"model": model_state}
     if optimizers:
         state["optim"] = optim_state
-    _check_identity(strategy, "load_checkpoint", path, sorted(model_state))
+    _check_identity(strategy, "load_checkpoint", path, sorted(expected))
     rt = get_runtime(strategy.session())
     with rt.collective("load_checkpoint (DCP)", "world"):
         dcp.load(state, checkpoint_id=path)

@@ -5,9 +5,9 @@
   Megatron default (:func:`default_plan`): consecutive Linear layers alternate column- then
   row-parallel, so activations between a pair stay sharded and one all-reduce closes each pair.
 - ``pipeline > 1``: an ``nn.Sequential`` cut into stages on ``torch.distributed.pipelining``
-  (:mod:`polyparallel_torch.pipeline`); with ``data > 1`` each stage module is sharded by FSDP2
-  over the data group at zero=2/3, and reduced by ``sync_grads`` at zero=0/1 (pipeline.py says why
-  not DDP).
+  (:mod:`polyparallel_torch.pipeline`); with ``data > 1`` each stage module is an FSDP2 module
+  over the data group: sharded at zero=2/3, replicated at zero=0 (HSDP with a shard dimension of
+  one rank); zero=1 is refused before launch (pipeline.py says why, and why not DDP).
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op). Never DataParallel.
 - ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the

@@ -6,15 +6,23 @@ balanced by parameter count, or at ``split_points=``; stages keep the original c
 over the runtime's ``pipeline`` group and runs it with ``ScheduleGPipe``; the loss is computed on
 the last stage only. Every rank calls the same ``train_step(x, y)`` with the same batch (ranks
 along the pipeline axis get identical batches from ``shard_data``); the model hands the inputs to
-the first stage and the targets to the last. With ``data > 1`` at zero=2/3 each rank's stage module is
-wrapped in FSDP2 over the data group, as torchtitan does (units kept gathered between forward and
-backward, ``reshard_after_forward=False``; the schedule reduce-scatters once after the last
-micro-batch), and ``strategy.sync_grads(model)`` is a no-op (an identity check only). At zero=0/1
-the stage's parameters are broadcast over the data group and its replicas average their
-gradients with ``strategy.sync_grads(model)``: not DDP, because DDP's reducer, driven by the
-schedule's per-micro-batch backward, fails its bucket rebuild on the second step with more than
-one micro-batch ("rebuilt parameter indices size is not same as original model parameters size",
-torch 2.13), and ``static_graph=True`` runs but gives wrong gradients. Every send/receive is bounded by the
+the first stage and the targets to the last. With ``data > 1`` each rank's stage module is an
+FSDP2 module over the data group, as torchtitan does, and the schedule drives it
+(``PipelineStage`` turns gradient sync off for every micro-batch's backward and reduces once after
+the last): at zero=2/3 sharded (units kept gathered between forward and backward,
+``reshard_after_forward=False``, one reduce-scatter per step); at zero=0 replicated — HSDP over
+the runtime mesh's ``("data", "tensor")`` slice, a ``(data, 1)`` mesh (``tensor`` is 1 with a
+pipeline), so parameters stay whole, replicate over ``data`` and backward all-reduces their
+gradients; no process group is made for it. ``strategy.sync_grads(model)`` is then a no-op (an
+identity check only); no pipeline path uses the hand-bucketed ``sync_grads``. zero=1 with
+``data > 1`` is refused before launch: ``ZeroRedundancyOptimizer`` cannot broadcast the stage's
+DTensor parameters ("c10d.broadcast_ does not have a sharding strategy", torch 2.13).
+Why not DDP at zero=0/1: with the ``PipelineStage`` built around the DDP module, as pipelining
+expects (forward and every micro-batch's backward under ``no_sync``, ``prepare_for_backward``
+before the last), DDP's reducer records each parameter once per micro-batch in its first step
+and asserts on the second ("rebuilt parameter indices size is not same as original model
+parameters size. Original model param size is: 4 versus rebuilt params size of: 8", 2
+micro-batches, torch 2.13); ``static_graph=True`` runs but gives wrong gradients. Every send/receive is bounded by the
 group's timeout (the strategy's) and a failure names the ``pipeline`` axis and the rank; each step
 starts with the runtime's identity check over the pipeline group, so a stage that runs another
 step (an evaluation while its peers train, another batch size) fails at once naming both sides.
@@ -88,7 +96,7 @@ class PipelineModel(nn.Module):
     :param runner: the module the schedule runs, when not ``stage`` itself (a wrapper that is not
         registered here, so ``state_dict`` keys stay the stage's).
     :param data_parallel: how the stage's replicas over ``data`` reduce their gradients in
-        backward: ``"fsdp"``, or ``None`` (no replicas, or ``strategy.sync_grads`` reduces them).
+        backward: ``"fsdp"`` (FSDP2, sharded or replicated), or ``None`` (no replicas).
     """
 
     def __init__(self, stage: nn.Module, runtime: Any, microbatches: int = 1,
@@ -173,8 +181,11 @@ class PipelineModel(nn.Module):
 
     def gather_state(self) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict`` (every stage's entries), gathered on every rank of the
-        pipeline group (for checks and single-file checkpoints of small models)."""
-        local = {k: v.detach().cpu() for k, v in self.stage.state_dict().items()}
+        pipeline group (for checks and single-file checkpoints of small models). Every rank calls
+        it: with ``data > 1`` the stage's FSDP2 parameters are gathered over ``data`` first."""
+        from .model import full_state
+
+        local = full_state(self.stage)
         merged: dict[str, torch.Tensor] = {}
         for part in self.runtime.all_gather_object(local, "gather pipeline state", "pipeline"):
             merged.update(part)
@@ -207,11 +218,10 @@ def validate_pipeline(model: nn.Module, topology: pp.Topology, options: dict[str
 
 def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any], strategy: pp.Strategy) -> PipelineModel:
     """This rank's :class:`PipelineModel` of ``model`` (options checked by :func:`validate_pipeline`):
-    the stage cut from ``model`` (or taken from ``stages=``); with ``data > 1`` sharded by FSDP2
-    over the data group (zero=2/3) or broadcast over it (zero=0/1), so that the replicas of a
-    stage start from data rank 0's values."""
-    from .model import broadcast_over_data
-    from .sharding import shard_module
+    the stage cut from ``model`` (or taken from ``stages=``); with ``data > 1`` an FSDP2 module over
+    the data group, sharded (zero=2/3) or replicated (zero=0), its replicas starting from data rank
+    0's values."""
+    from .sharding import replicate_module, shard_module
 
     topology = runtime.topology
     stages = options.get("stages") or split_sequential(model, topology.size("pipeline"), options.get("split_points"))
@@ -221,6 +231,7 @@ def wrap_pipeline(model: nn.Module, runtime: Any, options: dict[str, Any], strat
         runner = stage = shard_module(stage, runtime, strategy.shard_policy.stage, options, pipelined=True)
         data_parallel = "fsdp"
     elif topology.size("data") > 1:
-        broadcast_over_data(stage, runtime)  # then strategy.sync_grads(model) (see the module docstring)
+        runner = stage = replicate_module(stage, runtime)
+        data_parallel = "fsdp"
     return PipelineModel(stage, runtime, options.get("microbatches", topology.size("pipeline")),
                          options.get("loss_fn"), runner=runner, data_parallel=data_parallel)

@@ -29,9 +29,16 @@ CAPABILITIES = pp.Capabilities(
     # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
     # Adapters that shard on this runtime's groups themselves (DeepSpeed ZeRO) need the stage here too.
     stages={0, 1, 2, 3},
-    stages_with={"tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts "
-                                       "whole parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with "
-                                       "FSDP2 over data on the 2-D mesh)")},
+    stages_with={
+        "tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole "
+                              "parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with FSDP2 over "
+                              "data on the 2-D mesh)"),
+        # With data == 1 there is nothing to shard, but zero=1 would still build a ZeroRedundancyOptimizer
+        # over DTensor stage parameters; one rule for every data size keeps the message simple.
+        "pipeline": ({0, 2, 3}, "each pipeline stage is replicated over data by FSDP2 (its parameters are DTensors), "
+                                "and stage 1 is torch's ZeroRedundancyOptimizer, which cannot broadcast DTensors "
+                                "(zero=2 also shards gradients, one reduce-scatter per step)"),
+    },
 )
 
 

@@ -45,7 +45,7 @@ import polyparallel as pp
 
 from .runtime import TorchRuntime
 
-__all__ = ["default_units", "is_fsdp", "make_optimizer", "shard_module", "sharded_over_data", "sync_noop",
+__all__ = ["default_units", "is_fsdp", "make_optimizer", "replicate_module", "shard_module", "sharded_over_data", "sync_noop",
            "validate_sharding"]
 
 # Options of fully_shard the Strategy decides: the user may not pass them in fsdp_kwargs=.
@@ -128,6 +128,24 @@ def shard_module(model: nn.Module, rt: TorchRuntime, stage: int, options: dict[s
         reshard = stage == 3 and path != last and not pipelined
         fully_shard(names[path], mesh=mesh, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
+    return model
+
+
+def replicate_module(model: nn.Module, rt: TorchRuntime) -> nn.Module:
+    """Replicate ``model`` over the data group with FSDP2 as HSDP whose shard dimension has one
+    rank, in place: parameters are broadcast from data rank 0, then stay whole on every rank, and
+    backward all-reduces (averages) the gradients over ``data``. Returns ``model``, an ``FSDPModule``.
+
+    Used for pipeline stages at zero=0/1 (the tensor axis is 1 there): the runtime mesh's
+    ``("data", "tensor")`` slice is that ``(data, 1)`` mesh, so no process group is made."""
+    from torch.distributed.fsdp import fully_shard
+
+    from .model import broadcast_over_data
+
+    if rt.topology.size("tensor") != 1:  # validate_pipeline refuses pipeline x tensor before this
+        raise pp.UnsupportedTopologyError(f"replicate_module needs tensor=1; the topology is {rt.topology!r}.")
+    broadcast_over_data(model, rt)
+    fully_shard(model, mesh=rt.mesh["data", "tensor"], reshard_after_forward=False)
     return model
 
 

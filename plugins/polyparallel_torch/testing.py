@@ -103,7 +103,10 @@ def stage_params(model: nn.Module) -> dict[str, list[float]]:
     from .pipeline import PipelineModel
 
     if isinstance(model, PipelineModel):
-        return {n: p.detach().reshape(-1).double().tolist() for n, p in model.stage.named_parameters()}
+        from .model import full_state
+
+        names = {n for n, _ in model.stage.named_parameters()}  # FSDP2 over data: gathered (every rank calls)
+        return {n: t.reshape(-1).double().tolist() for n, t in full_state(model.stage).items() if n in names}
     return flat_params(model)
 
 

@@ -1,6 +1,6 @@
 """One logical DCP checkpoint (checkpoint.py): written at zero=3 with data=2, loaded at data=4 and
-into a plain single-process module with equal parameters; replicas written once; another model
-refused before any collective."""
+into a plain single-process module with equal parameters; a pipeline x data model saved and loaded
+back (and into one process); replicas written once; another model refused before any collective."""
 
 import os
 
@@ -64,6 +64,46 @@ def test_checkpoint_of_zero3_data2_loads_at_data4_and_in_one_process(run, tmp_pa
     # Written once: the 4 DDP replicas' checkpoint holds one copy of the parameters (plus headers).
     one_copy = sum(t.numel() * t.element_size() for t in _model(hidden=2048).state_dict().values())
     assert one_copy <= _bytes(replicated) < 1.2 * one_copy
+
+
+def _pipeline_worker(path: str):
+    """pipeline=2 x data=2 (zero=0: stages replicated by FSDP2): save, then load into other values."""
+    def deep(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    strategy = pp.Strategy(pipeline=2, data=2, timeout=30)
+    model = strategy.wrap_model(deep(0), loss_fn=nn.functional.cross_entropy, microbatches=2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    torch.manual_seed(3)
+    model.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    opt.step()
+    save_checkpoint(strategy, path, model=model, optimizer=opt)
+    other = strategy.wrap_model(deep(1), loss_fn=nn.functional.cross_entropy, microbatches=2)
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.01)
+    other.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    other_opt.step()
+    load_checkpoint(strategy, path, model=other, optimizer=other_opt)
+    return {"saved": full_state(model.stage), "loaded": full_state(other.stage),
+            "adam_steps": {float(s["step"]) for s in other_opt.state.values()}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_checkpoint_of_a_pipeline_x_data_model_loads_back_and_in_one_process(run, tmp_path):
+    path = str(tmp_path / "pipeline")
+    results = run(_pipeline_worker, pp.Strategy(pipeline=2, data=2, timeout=30), 4, path, timeout=240)
+    whole: dict[str, torch.Tensor] = {}
+    for r in results:
+        assert r["adam_steps"] == {1.0}
+        for name, value in r["saved"].items():
+            torch.testing.assert_close(r["loaded"][name], value, rtol=0, atol=0)
+        whole.update(r["saved"])
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+    load_checkpoint(pp.Strategy(data=1), path, model=plain)  # every stage's entries, once
+    assert set(plain.state_dict()) == set(whole)
+    for name, value in whole.items():
+        torch.testing.assert_close(plain.state_dict()[name], value, rtol=0, atol=0)
 
 
 def test_another_model_is_refused_before_any_collective(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch.pipeline import split_sequential
-from polyparallel_torch.testing import reference_model
+from polyparallel_torch.testing import reference_model, stage_params
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -38,7 +38,7 @@ def _pipeline_worker(data, steps):
         losses.append(None if loss is None else float(loss))
     outputs = model(x_all[:per * data][d::data][:per])
     return {"coords": strategy.session().coords, "losses": losses,
-            "params": {n: p.detach().clone() for n, p in model.stage.named_parameters()},
+            "stage": type(model.stage).__name__, "params": stage_params(model),
             "outputs": None if outputs is None else outputs.detach()}
 
 
@@ -67,8 +67,11 @@ def test_pipeline_training_matches_one_process(run, data):
         if last and data == 1:
             assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
         assert (r["outputs"] is not None) == last
+        # data=2: each stage replicated by FSDP2 over data (HSDP, shard dim of 1), not sync_grads
+        assert r["stage"] == ("FSDPSequential" if data > 1 else "Sequential")
         for name, value in r["params"].items():  # stages keep the unsplit model's names
-            torch.testing.assert_close(value, ref_params[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64).reshape(ref_params[name].shape),
+                                       ref_params[name].double(), rtol=1e-5, atol=1e-6)
 
 
 def test_split_keeps_names_and_balances_parameters():

@@ -70,7 +70,8 @@ def _train(strategy: pp.Strategy) -> dict:
     inner = model.stage if isinstance(model, PipelineModel) else model
     names = {n for n, _ in unwrap(inner).named_parameters()}
     params = {k: v for k, v in full_state(inner).items() if k in names}
-    return {"type": type(model).__name__, "optimizer": type(opt).__name__, "params": params,
+    return {"type": type(model).__name__, "stage_type": type(inner).__name__, "optimizer": type(opt).__name__,
+            "params": params,
             "sync_grads_untouched": untouched}
 
 
@@ -106,6 +107,10 @@ def _four_process_worker():
     data4 = pp.Strategy(data=4, timeout=30)
     out["memory"] = {stage: _memory(data4.replace(zero=stage)) for stage in (0, 3)}
     out["pipeline"] = _train(pp.Strategy(pipeline=2, data=2, zero=3, timeout=30))
+    # zero=0: each stage replicated over data by FSDP2 (HSDP on the (data, tensor=1) mesh slice), not sync_grads.
+    groups = len(torch.distributed.distributed_c10d._world.pg_map)
+    out["pipeline0"] = _train(pp.Strategy(pipeline=2, data=2, timeout=30))
+    out["pipeline0"]["new_groups"] = len(torch.distributed.distributed_c10d._world.pg_map) - groups
     return out
 
 
@@ -151,6 +156,10 @@ def test_data2_tensor2_pipeline_and_data4(run):
         stage_ref = {k: v for k, v in ref.items() if k in r["pipeline"]["params"]}
         assert stage_ref, "a pipeline stage holds parameters"
         _assert_equal(r["pipeline"]["params"], stage_ref, "zero=3, pipeline=2 x data=2")
+        zero0 = r["pipeline0"]
+        assert zero0["stage_type"] == "FSDPSequential" and zero0["new_groups"] == 0
+        assert zero0["sync_grads_untouched"]  # reduced in backward: sync_grads is a no-op
+        _assert_equal(zero0["params"], stage_ref, "zero=0, pipeline=2 x data=2")
     covered = {k for r in results for k in r["pipeline"]["params"]}
     assert covered == set(ref)
     _report_memory(results[0]["memory"], 4)
@@ -166,12 +175,19 @@ def _unstarted(monkeypatch, **sizes):
     return pp.Strategy(**sizes, timeout=5)
 
 
-def test_zero1_with_tensor_refused_before_launch():
+def test_zero1_with_tensor_or_pipeline_x_data_refused_before_launch():
     strategy = pp.Strategy(data=2, tensor=2, zero=1)
     with pytest.raises(pp.UnsupportedTopologyError, match="zero=1 with tensor=2.*ZeroRedundancyOptimizer.*zero=2"):
         strategy.check("torch")
     with pytest.raises(pp.UnsupportedTopologyError, match="zero=1 with tensor=2"):
         pp.launch(print, strategy, 4, runtime="torch", timeout=10)
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match="zero=1 with pipeline=2: each pipeline stage .*ZeroRedundancyOptimizer.*DTensors.*zero=2"):
+        pp.launch(print, pp.Strategy(pipeline=2, data=2, zero=1), 4, runtime="torch", timeout=10)
+    with pytest.raises(pp.UnsupportedTopologyError, match="zero=1 with pipeline=2"):  # one rule for every data size
+        pp.Strategy(pipeline=2, data=1, zero=1).check("torch")
+    for stage in (0, 2, 3):
+        pp.Strategy(pipeline=2, data=2, zero=stage).check("torch", world_size=4)
     for stage in (0, 1, 2, 3):  # every stage is declared
         pp.Strategy(data=2, zero=stage).check("torch")
     pp.Strategy(data=2, tensor=2, zero=3).check("torch")
