@@ -30,4 +30,11 @@ OUT=benchmarks/results/latest.md
     echo '```'; echo; echo '## DeepSpeed adapter'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_deepspeed.py "${QUICK[@]}" --json benchmarks/results/deepspeed.json
     echo '```'
+    # XLA on CPU, information only, in the XLA lane's environment when it exists (tools/env-xla.sh).
+    XLA_PY="${POLYPARALLEL_XLA_VENV:-$ROOT/.venv-xla}/bin/python"
+    if [ -x "$XLA_PY" ]; then
+        echo; echo '## XLA runtime on CPU (information only)'; echo '```'
+        timeout -k 10 900 "$XLA_PY" benchmarks/bench_xla.py "${QUICK[@]}" --json benchmarks/results/xla.json
+        echo '```'
+    fi
 } 2> >(grep -v -e '^W1' -e 'Warning' >&2) | tee "$OUT"

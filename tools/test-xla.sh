@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The XLA lane: tests/xla_plugin (the XLA runtime on 2 XLA CPU devices) and the torch runtime's
-# basic tests on torch 2.9, in .venv-xla (tools/env-xla.sh). Any pytest arguments replace the
+# The XLA lane: tests/xla_plugin (the XLA runtime on 2 XLA CPU devices, and the fastai adapter on
+# it: test_fastai.py, test_fastai_conformance.py) and the torch runtime's basic tests on torch 2.9,
+# in .venv-xla (tools/env-xla.sh). Any pytest arguments replace the
 # default selection. Called by tools/test.sh unless POLYPARALLEL_SKIP_XLA=1.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

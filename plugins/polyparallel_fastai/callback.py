@@ -22,7 +22,10 @@ event                  what the callback does
                        averaged, ...), ``learn.dl`` sharded ``uneven`` (each sample once)
 ``after_validate``     the valid loss and every metric become the global values, count-weighted
                        (:mod:`polyparallel_fastai.metrics`), before the recorder prints them
-``after_fit``          ``learn.model`` is the user's module again; nothing else stays changed
+``after_fit``          ``learn.model`` is the user's module again, its parameters the same
+                       objects on the same device (a runtime that moved them, XLA, gets them
+                       back with the trained values; the optimizer follows them both ways,
+                       :mod:`polyparallel_fastai.placement`); nothing else stays changed
 =====================  ==========================================================================
 
 ``learn.get_preds`` is not sharded: every rank predicts every sample, so it returns all the
@@ -48,6 +51,7 @@ import polyparallel as pp
 
 from . import metrics as _metrics
 from .data import is_fastai_loader, local_to_detach
+from .placement import Placement
 
 __all__ = ["ParallelCallback", "LocalSmoothLoss"]
 
@@ -174,7 +178,11 @@ class ParallelCallback(Callback):
             raise TypeError("the fastai adapter wraps the model itself (strategy.wrap_model); the Learner's model is "
                             "already DistributedDataParallel: give the Learner the bare module.")
         state.inner = learn.model
+        state.placement = Placement(learn.model)
         learn.model = self.strategy.wrap_model(learn.model)
+        # A runtime that moves the model to its device (XLA) may give it new Parameter objects:
+        # the optimizer fastai made before this event must step those.
+        state.placement.moved(getattr(learn, "opt", None))
         state.reduces_in_backward = _is_ddp(learn.model)
         state.loaders = {}
         if recorder is not None and type(recorder.smooth_loss) is AvgSmoothLoss:
@@ -230,6 +238,8 @@ class ParallelCallback(Callback):
         learn, state = self.learn, self._state
         if state.inner is not None:
             learn.model = state.inner
+        if state.placement is not None:
+            state.placement.restore(getattr(learn, "opt", None))
         recorder = getattr(learn, "recorder", None)
         if state.smooth is not None and recorder is not None:
             # The recorder keeps fastai's own object, carrying the global value of this fit.
@@ -288,6 +298,7 @@ class _FitState:
 
     def __init__(self) -> None:
         self.inner: Any = None
+        self.placement: Placement | None = None
         self.reduces_in_backward = False
         self.whole = False  # this validation runs on every sample (get_preds): nothing to reduce
         self.loaders: dict[int, tuple[Any, Any]] = {}

@@ -98,6 +98,11 @@ class FastaiDriver(ConformanceDriver):
 
         return strategy
 
+    def model(self, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The reference model a launched rank trains (a runtime whose ranks are threads of one
+        process overrides it: they share torch's random generator)."""
+        return reference_model(seed, dtype)
+
     def shard_indices(self, strategy: pp.Strategy, epoch: int) -> list[int]:
         from fastai.data.load import DataLoader
 
@@ -111,7 +116,7 @@ class FastaiDriver(ConformanceDriver):
         dataset = reference_dataset(self.dataset_size)
         # drop_last: full global batches only, as the reference; one epoch holds `steps` of them.
         assert self.dataset_size // self.global_batch == self.steps
-        learn = make_learner(dataset, dataset, reference_model(strategy.seed), self.global_batch // data_size,
+        learn = make_learner(dataset, dataset, self.model(strategy.seed), self.global_batch // data_size,
                              cbs=[strategy.adapt("fastai")])
         learn.fit(1)
         return flat_params(learn.model)
@@ -123,7 +128,7 @@ class FastaiDriver(ConformanceDriver):
         from fastai.metrics import accuracy
 
         dataset = reference_dataset(self.dataset_size, torch.float64)
-        learn = make_learner(dataset, dataset, reference_model(strategy.seed, torch.float64), 4,
+        learn = make_learner(dataset, dataset, self.model(strategy.seed, torch.float64), 4,
                              cbs=[strategy.adapt("fastai")], metrics=[accuracy])
         loss, acc = learn.validate()
         return {"loss": float(loss), "accuracy": float(acc)}
@@ -139,7 +144,7 @@ class FastaiDriver(ConformanceDriver):
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         dataset = reference_dataset(self.dataset_size)
         states = _States(strategy.session().rank)
-        learn = make_learner(dataset, dataset, reference_model(strategy.seed), 4,
+        learn = make_learner(dataset, dataset, self.model(strategy.seed), 4,
                              cbs=[strategy.adapt("fastai"), *states.callbacks])
         learn.validate()
         policy = strategy.state_policy
@@ -150,7 +155,7 @@ class FastaiDriver(ConformanceDriver):
         """Every rank validates a Learner with the adapter (wrapping and state sync together);
         the skipping rank's Learner has no recorder, so it never joins the metric reduction."""
         dataset = reference_dataset(self.dataset_size)
-        learn = make_learner(dataset, dataset, reference_model(strategy.seed), 4, cbs=[strategy.adapt("fastai")])
+        learn = make_learner(dataset, dataset, self.model(strategy.seed), 4, cbs=[strategy.adapt("fastai")])
         if skip:
             learn.remove_cb(learn.recorder)
         learn.validate()

@@ -1,5 +1,5 @@
 """Test support for the XLA runtime: several XLA CPU devices in one process, and the
-conformance driver. Nothing here is used by the runtime itself.
+conformance drivers (the torch reference loop, and the fastai adapter's driver on XLA). Nothing here is used by the runtime itself.
 
 **Why a shim.** On PJRT CPU (``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES=N``) the N replicas are
 threads of one process, and multi-device collectives deadlock upstream (pytorch/xla issue 9089):
@@ -26,9 +26,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import polyparallel as pp
+from polyparallel_fastai.testing import FastaiDriver
 from polyparallel_torch.testing import LR, TorchDriver, reference_dataset, reference_model
 
-__all__ = ["CPU_ENV", "XlaDriver", "cpu_env", "install_ordered_sync", "seeded_model"]
+__all__ = ["CPU_ENV", "FastaiXlaDriver", "XlaDriver", "cpu_env", "install_ordered_sync", "seeded_model"]
 
 #: Environment for N XLA CPU devices served by threads (besides ``CPU_NUM_DEVICES``).
 CPU_ENV = {"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "false", "XLA_THREAD_POOL_SIZE": "16",
@@ -45,9 +46,13 @@ def cpu_env(devices: int) -> dict[str, str]:
 
 def install_ordered_sync() -> None:
     """Replace ``torch_xla.sync`` (which ``xm.mark_step`` and ``MpDeviceLoader`` call too) in *this
-    process* by one that lets a single replica thread compile and launch at a time. Idempotent.
+    process* by one that lets a single replica thread compile and launch at a time, and
+    ``xm.all_reduce`` by one that syncs first. Idempotent.
+    ``xm.all_reduce`` (which ``xm.optimizer_step`` calls) executes the replica's pending work
+    first, in such an ordered sync, so that the collective's graph is the same in every replica.
     Only for tests on PJRT CPU devices (pytorch/xla issue 9089); call it in the launched replicas."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
     with _lock:
         if "sync" in _installed:
@@ -64,8 +69,20 @@ def install_ordered_sync() -> None:
             with turn:
                 original(wait, reset_scope)
 
+        original_all_reduce = xm.all_reduce
+
+        def all_reduce_alone(*args: Any, **kwargs: Any) -> Any:
+            # A graph holding a collective must be the same in every replica (one compilation,
+            # the same keys), but a replica's pending work may differ: fastai keeps the last
+            # batch's predictions alive, and an uneven shard's last batch has another shape. That
+            # work is executed first, so the collective's graph holds the collective alone.
+            ordered_sync()
+            return original_all_reduce(*args, **kwargs)
+
         _installed["sync"] = original
+        _installed["all_reduce"] = original_all_reduce
         torch_xla.sync = ordered_sync
+        xm.all_reduce = all_reduce_alone
 
 
 _rng = threading.Lock()
@@ -149,3 +166,20 @@ class XlaDriver(TorchDriver):
         after = {n: t.detach().cpu().reshape(-1).double().tolist() for n, t in local_states(model)}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
+
+
+
+class FastaiXlaDriver(FastaiDriver):
+    """The fastai adapter's conformance driver (:class:`polyparallel_fastai.testing.FastaiDriver`:
+    the same ``Learner``, callback and loops, unchanged) under a strategy with ``runtime="xla"``:
+    each rank is an XLA CPU device served by a thread, syncs ordered by
+    :func:`install_ordered_sync`, models seeded one thread at a time (:func:`seeded_model`)."""
+
+    startup_seconds = 90.0
+
+    def bind(self, strategy: pp.Strategy) -> pp.Strategy:
+        install_ordered_sync()
+        return super().bind(strategy)
+
+    def model(self, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        return seeded_model(seed, dtype)
