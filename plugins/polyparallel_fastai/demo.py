@@ -33,28 +33,41 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
     train = TensorDataset(torch.tensor(x_train), torch.tensor(y_train))
     test = TensorDataset(torch.tensor(x_test), torch.tensor(y_test))
     # Per-rank loaders; the strategy's global batch (p.global_batch) decides the per-rank size.
-    dls = DataLoaders.from_dsets(train, test, bs=p.global_batch, shuffle=True, device="cpu", num_workers=0)
+    # drop_last=False: every sample each epoch (the tail padded to a full shard), as the other rows.
+    dls = DataLoaders.from_dsets(train, test, bs=p.global_batch, shuffle=True, drop_last=False, device="cpu",
+                                 num_workers=0)
     torch.manual_seed(p.seed)
     model = nn.Sequential(nn.Linear(p.inputs, p.hidden), nn.ReLU(), nn.Linear(p.hidden, p.classes))
     step_times: list[float] = []
+    epoch_loss = [0.0, 0]  # this rank's training loss x samples, samples, in the current epoch
 
     class StepTimer(Callback):
+        """Step times, and the epoch's mean training loss as the other rows report it (fastai's
+        recorder shows a smoothed loss, an exponential average over steps)."""
+
+        def before_epoch(self) -> None:
+            epoch_loss[:] = [0.0, 0]
+
         def before_batch(self) -> None:
             self.start = time.perf_counter()
 
         def after_batch(self) -> None:
             if self.training:
                 step_times.append(time.perf_counter() - self.start)
+                n = len(self.yb[0])
+                epoch_loss[0] += float(self.loss) * n
+                epoch_loss[1] += n
 
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=functools.partial(SGD, mom=p.momentum),
                     lr=p.lr, metrics=[accuracy], cbs=[strategy.adapt("fastai"), StepTimer()])
     learn.remove_cb(ProgressCallback)  # the demo prints one table, not progress bars
     with learn.no_logging():
         learn.fit(p.epochs)
-    train_loss, valid_loss, acc = learn.recorder.values[-1]
+    _, _, acc = learn.recorder.values[-1]  # the global accuracy (the callback reduces fastai's metrics)
+    reduced = strategy.reduce_metrics({"final_loss": pp.Mean(*epoch_loss)})
     if "logger" not in strategy.session().roles:
         return None
-    return {"final_loss": float(train_loss), "accuracy": float(acc),
+    return {"final_loss": float(reduced["final_loss"]), "accuracy": float(acc),
             "step_time_ms": 1000 * statistics.median(step_times)}
 
 
