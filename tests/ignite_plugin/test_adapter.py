@@ -1,7 +1,8 @@
 """IgniteAdapter.auto_optim at the sharding stages: zero=1 rebuilds the optimizer as torch's
 ZeroRedundancyOptimizer (its class, defaults and parameter groups kept) and trains as one process
-does; an optimizer that already holds state is refused. Skipped where the torch runtime does not
-run stage 1 (the adapter declares the runtime's stages)."""
+does, and an optimizer that already holds state is refused; at zero=3 an optimizer given without
+its model syncs nothing (the FSDP2 shards were reduce-scattered in backward). Each test is skipped
+where the torch runtime does not run its stage (the adapter declares the runtime's stages)."""
 
 import pytest
 import torch
@@ -84,3 +85,26 @@ def test_auto_optim_at_zero1_is_a_zero_redundancy_optimizer_matching_one_process
             assert torch.equal(r["params"][name], results[0]["params"][name]), f"replicas differ at {name}"
         assert "already holds state for 1 parameter(s)" in r["stale"], r["stale"]
         assert "before the first step" in r["stale"]
+
+
+def _zero3_worker(strategy: pp.Strategy) -> dict:
+    from polyparallel_torch.model import full_state
+
+    ignite = strategy.adapt("ignite")
+    model = ignite.auto_model(reference_model(0))
+    opt = ignite.auto_optim(_optimizer(model))  # no model given: FSDP2 reduced in backward, nothing to sync
+    _train(model, opt, [strategy.session().coords["data"]])
+    return {n: t for n, t in full_state(model).items() if n in dict(model.named_parameters())}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(3 not in TORCH_CAPABILITIES.stages, reason="the torch runtime here does not run zero=3")
+def test_auto_optim_at_zero3_without_the_model_leaves_the_sharded_gradients_alone(run):
+    strategy = pp.Strategy(data=2, zero=3, timeout=60)
+    results = run(_zero3_worker, strategy, 2, strategy, timeout=240)
+    model = reference_model(0)
+    want = _train(model, _optimizer(model), [0, 1])
+    for rank, got in enumerate(results):
+        assert set(got) == set(want)
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
