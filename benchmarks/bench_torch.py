@@ -5,6 +5,12 @@
 (a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
     one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
     one all_reduce per parameter;
+(a2) a bare-module step with fresh ``.grad`` tensors each step (``zero_grad()``'s default
+    ``set_to_none=True``) on 2,000 and on 600 small parameters (chains of ``Linear(16, 16)``):
+    zero_grad + backward + ``sync_grads`` against zero_grad + backward + one all_reduce of a flat
+    buffer of the same bytes
+    (no packing at all: the limit), next to a same-vs-same control (that flat side against
+    itself), interleaved, in ``--launches`` separate launches (median and spread of the ratios);
 (b) a training step through the strategy (shard_data + wrap_model + sync_grads) against a
     hand-written DDP loop on the same model, data and process group, runs interleaved;
 (b2) the same training step on a *bare* module (the non-DDP path: tensor parallel with data > 1,
@@ -95,6 +101,121 @@ def _grad_sync_worker(quick: bool) -> dict[str, Any]:
         ours()  # leave the buffers' views in place for the next label's sanity
         out[label] = {k: statistics.median(v) for k, v in times.items()} | {"bytes": nbytes}
     return out
+
+
+FRESH_SIZES = {"2,000 params": 1000, "600 params": 300}  # Linear(16, 16) layers: weight + bias each
+
+
+def _fresh_step_worker(quick: bool) -> dict[str, dict[str, float]]:
+    """(a2): backward + sync_grads vs backward + one flat all-reduce, fresh .grad tensors each step."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    strategy = pp.Strategy(data=2, timeout=120)
+    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))  # without the identity check
+    rt = __import__("polyparallel_torch.runtime", fromlist=["get_runtime"]).get_runtime(strategy.session())
+    group = rt.group("data")
+    steps = 12 if quick else 40
+    out = {}
+    for label, layers in FRESH_SIZES.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(16, 16), nn.Tanh())])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 16)
+        flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+
+        def flat_side() -> None:  # the limit: gradients not even packed, one all_reduce of their bytes
+            dist.all_reduce(flat, group=group)
+            flat.div_(2)
+
+        sides = {"ours": lambda: strategy.sync_grads(model), "ours_unchecked": lambda: unchecked.sync_grads(model),
+                 "flat": flat_side, "flat_again": flat_side, "hooked_flat": flat_side}
+
+        def step(name: str) -> tuple[float, float]:
+            # hooked_flat: the flat side with a no-op post-accumulate-grad hook per parameter, the
+            # Python cost a DDP-style design (copy into buckets from per-parameter hooks) starts from
+            hooks = [p.register_post_accumulate_grad_hook(lambda p: None)
+                     for p in model.parameters()] if name == "hooked_flat" else []
+            # zero_grad (set_to_none=True: fresh gradient tensors every step) is timed too: it frees
+            # the last step's gradients on the flat side, while sync_grads frees them when it makes
+            # the buffer's views the .grad (the same work, elsewhere).
+            dist.barrier(group=group)
+            start, cpu = time.perf_counter(), time.thread_time()
+            opt.zero_grad()
+            elapsed, cpu_time = time.perf_counter() - start, time.thread_time() - cpu
+            loss = model(x).square().mean()
+            dist.barrier(group=group)
+            start, cpu = time.perf_counter(), time.thread_time()
+            loss.backward()
+            sides[name]()
+            elapsed, cpu_time = elapsed + time.perf_counter() - start, cpu_time + time.thread_time() - cpu
+            for hook in hooks:
+                hook.remove()
+            opt.step()
+            return elapsed, cpu_time
+
+        for name in sides:  # warm up (and build the bucket layout)
+            step(name)
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
+        order = list(sides)
+        for i in range(steps):  # interleaved, rotating who goes first
+            for name in order[i % len(order):] + order[:i % len(order)]:
+                elapsed, cpu_time = step(name)
+                times[name].append(elapsed)
+                cpu[name].append(cpu_time)
+        # Wall time is the figure; the main thread's CPU time (no waiting, no gloo threads) shows
+        # the work each side adds, without the scheduling noise of a shared machine.
+        out[label] = {name: statistics.median(v) for name, v in times.items()}
+        out[label] |= {f"{name}_cpu": statistics.median(v) for name, v in cpu.items()}
+    return out
+
+
+def grad_sync(quick: bool) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(a) in one launch: rows for the table and the figures."""
+    rows, figures = [], {}
+    grads = pp.launch(_grad_sync_worker, pp.Strategy(data=2, timeout=120), 2, args=(quick,), timeout=900)[0]
+    for label, t in grads.items():
+        mb = t["bytes"] / 2**20
+        figures[f"sync_grads {label}"] = t
+        rows.append((f"sync_grads, {label}", f"{mb / t['ours']:.0f} MiB/s vs flat {mb / t['flat']:.0f} MiB/s",
+                     f"{t['flat'] / t['ours']:.2f}x flat, {t['per_param'] / t['ours']:.2f}x per-param"))
+        rows.append(("  same, fresh .grad tensors each step", f"{mb / t['ours_fresh']:.0f} MiB/s",
+                     f"{t['flat'] / t['ours_fresh']:.2f}x flat, {t['per_param'] / t['ours_fresh']:.2f}x per-param"))
+    return rows, figures
+
+
+def fresh_grads(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(a2) over ``launches`` launches: rows for the table and the figures."""
+    strategy = pp.Strategy(data=2, timeout=120)
+    per_launch = [pp.launch(_fresh_step_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
+    rows, figures = [], {}
+    for label in FRESH_SIZES:
+        runs = [r[label] for r in per_launch]
+        ours = sorted(r["flat"] / r["ours"] for r in runs)
+        ours_unchecked = sorted(r["flat"] / r["ours_unchecked"] for r in runs)
+        hooked = sorted(r["flat"] / r["hooked_flat"] for r in runs)
+        cpu_ratios = sorted(r["flat_cpu"] / r["ours_cpu"] for r in runs)
+        control = sorted(r["flat"] / r["flat_again"] for r in runs)
+        figures[f"fresh grads {label}"] = {"ratios": ours, "control_ratios": control,
+                                           "unchecked_ratios": ours_unchecked, "hooked_flat_ratios": hooked,
+                                           "cpu_ratios": cpu_ratios,
+                                           "ours_s": statistics.median(r["ours"] for r in runs),
+                                           "flat_s": statistics.median(r["flat"] for r in runs)}
+        rows.append((f"zero_grad + backward + sync_grads, fresh .grad, {label} ({launches} launches)",
+                     f"{figures[f'fresh grads {label}']['ours_s'] * 1e3:.2f} ms vs backward + flat all_reduce "
+                     f"{figures[f'fresh grads {label}']['flat_s'] * 1e3:.2f} ms",
+                     f"{statistics.median(ours):.3f}x (min {ours[0]:.3f}, max {ours[-1]:.3f})"))
+        rows.append(("  same, GradPolicy(check=False)", "-", f"{statistics.median(ours_unchecked):.3f}x "
+                     f"(min {ours_unchecked[0]:.3f}, max {ours_unchecked[-1]:.3f})"))
+        rows.append(("  same, main-thread CPU time only", "-",
+                     f"{statistics.median(cpu_ratios):.3f}x (min {cpu_ratios[0]:.3f}, max {cpu_ratios[-1]:.3f})"))
+        rows.append(("  flat + a no-op grad hook per parameter", "-",
+                     f"{statistics.median(hooked):.3f}x (min {hooked[0]:.3f}, max {hooked[-1]:.3f})"))
+        rows.append(("  control: flat vs the same flat", "-",
+                     f"{statistics.median(control):.3f}x (min {control[0]:.3f}, max {control[-1]:.3f})"))
+    return rows, figures
 
 
 def _train_step_worker(quick: bool) -> dict[str, float]:
@@ -230,14 +351,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--launches", type=int, default=None,
-                        help="launches of the identity-check benchmark (b2); default 10, 3 with --quick")
-    parser.add_argument("--only", choices=["check"], help="run only the identity-check benchmark (b2)")
+                        help="launches of the identity-check (b2) and fresh-gradient (a2) benchmarks; "
+                             "default 10, 3 with --quick")
+    parser.add_argument("--only", choices=["check", "grads"],
+                        help="run only the identity-check benchmark (b2), or only the sync_grads ones (a, a2)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     strategy = pp.Strategy(data=2, timeout=120)
     rows: list[tuple[str, str, str]] = []
     figures: dict[str, Any] = {}
     launches = args.launches or (3 if args.quick else 10)
+    if args.only == "grads":
+        rows, figures = fresh_grads(args.quick, launches)
+        grad_rows, grad_figures = grad_sync(args.quick)
+        _print(rows + grad_rows, figures | grad_figures, args.json)
+        return
     per_launch = [pp.launch(_check_cost_worker, strategy, 2, args=(args.quick,), timeout=900)[0]
                   for _ in range(launches)]
     ratios = sorted(r["unchecked"] / r["checked"] for r in per_launch)
@@ -252,14 +380,9 @@ def main() -> None:
         _print(rows, figures, args.json)
         return
 
-    grads = pp.launch(_grad_sync_worker, strategy, 2, args=(args.quick,), timeout=900)[0]
-    for label, t in grads.items():
-        mb = t["bytes"] / 2**20
-        figures[f"sync_grads {label}"] = t
-        rows.append((f"sync_grads, {label}", f"{mb / t['ours']:.0f} MiB/s vs flat {mb / t['flat']:.0f} MiB/s",
-                     f"{t['flat'] / t['ours']:.2f}x flat, {t['per_param'] / t['ours']:.2f}x per-param"))
-        rows.append(("  same, fresh .grad tensors each step", f"{mb / t['ours_fresh']:.0f} MiB/s",
-                     f"{t['flat'] / t['ours_fresh']:.2f}x flat, {t['per_param'] / t['ours_fresh']:.2f}x per-param"))
+    for part in (fresh_grads(args.quick, launches), grad_sync(args.quick)):
+        rows += part[0]
+        figures |= part[1]
     steps = pp.launch(_train_step_worker, strategy, 2, args=(args.quick,), timeout=900)
     native, ours = statistics.mean(s["native"] for s in steps), statistics.mean(s["ours"] for s in steps)
     figures["train step"] = {"native_s": native, "ours_s": ours}

@@ -153,13 +153,25 @@ class IgniteAdapter:
         The hook is ``optimizer.register_step_pre_hook``, so any ignite trainer — including
         ``gradient_accumulation_steps`` — syncs exactly once per step.
 
+        Sharding stages (``Strategy(zero=)``, as the torch runtime runs them): at ``zero=1`` (with
+        ``data > 1``) the optimizer is rebuilt as torch's ``ZeroRedundancyOptimizer`` over the data
+        group, with the same class, defaults and parameter groups (call this before the first
+        step: an optimizer that holds state is refused); at ``zero=2``/``3`` the model from
+        :meth:`auto_model` is an FSDP2 module that reduce-scatters gradients in backward, and the
+        optimizer steps its shards as given.
+
         :param model: the model returned by :meth:`auto_model` (default: the optimizer's
-            parameters are synced as a list of tensors).
+            parameters are synced as a list of tensors; at ``zero=2``/``3`` nothing is synced).
         """
         from polyparallel_torch.model import is_ddp
 
-        if self.session.topology.size("data") == 1 or (model is not None and is_ddp(model)):
+        stage = self.strategy.shard_policy.stage
+        if self.session.topology.size("data") == 1:
             return optimizer
+        if stage == 1:
+            optimizer = self._zero_redundancy(optimizer)
+        if (model is not None and is_ddp(model)) or (model is None and stage >= 2):
+            return optimizer  # reduced in backward (DDP; FSDP2, whose parameters are shards over data)
         strategy = self.strategy
 
         def sync_before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -170,6 +182,24 @@ class IgniteAdapter:
 
         optimizer.register_step_pre_hook(sync_before_step)
         return optimizer
+
+    def _zero_redundancy(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` as torch's ``ZeroRedundancyOptimizer`` over the data group (stage 1)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        if optimizer.state:
+            raise TypeError(
+                f"auto_optim() at sharding stage zero=1 rebuilds the optimizer as ZeroRedundancyOptimizer, but this "
+                f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameter(s), which would "
+                "be lost. Call auto_optim() on a fresh optimizer, before the first step (load a checkpoint after)."
+            )
+        self.runtime.ensure_usable("auto_optim", "data")
+        # Each group keeps its own options; the class's defaults fill what a group does not set.
+        groups = [dict(group) for group in optimizer.param_groups]
+        return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer),
+                                       process_group=self.runtime.group("data"), **optimizer.defaults)
 
     # -- engines ----------------------------------------------------------------------------------
     def attach(self, engine: Any, data: Any = None) -> Any:

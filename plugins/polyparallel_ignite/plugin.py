@@ -9,14 +9,19 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel import hookimpl
+from polyparallel_torch.plugin import CAPABILITIES as TORCH_CAPABILITIES  # imports no torch
 
 __all__: list[str] = []
 
 #: Data, tensor (DTensor plans) and pipeline (``torch.distributed.pipelining``) — each with data;
-#: pipeline together with tensor is declared unsupported, so it is refused before launch.
+#: pipeline together with tensor is declared unsupported, so it is refused before launch. The
+#: sharding stages are the torch runtime's: ``auto_model`` is ``strategy.wrap_model`` and
+#: ``auto_optim`` builds the runtime's stage-1 optimizer, so whatever stage the runtime runs, the
+#: adapter runs (the runtime's own refusals, e.g. of a stage with some axis, apply as well).
 CAPABILITIES = pp.Capabilities(
     "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},), runtimes={"torch"},
     features={"ddp", "tensor_parallel_plan", "gpipe", "metrics_over_data_group", "timeouts", "idist_parallel"},
+    stages=TORCH_CAPABILITIES.stages,
 )
 
 

@@ -77,7 +77,8 @@ def _inner(model: nn.Module) -> nn.Module:
 
 class IgniteDriver(ConformanceDriver):
     """Ignite engines through ``strategy.adapt("ignite")`` (data, data x tensor, pipeline x data;
-    every loader comes from ``auto_dataloader``, i.e. ``strategy.shard_data``)."""
+    every loader comes from ``auto_dataloader``, i.e. ``strategy.shard_data``), at any sharding
+    stage the torch runtime runs (``auto_model`` and ``auto_optim`` build it)."""
 
     target = "ignite"
     # Every axis alone is supported; the capabilities exclude pipeline x tensor.
@@ -129,11 +130,21 @@ class IgniteDriver(ConformanceDriver):
 
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         ignite = strategy.adapt("ignite")
-        inner = _inner(ignite.auto_model(reference_model(strategy.seed), **_options(strategy)))
+        module = reference_model(strategy.seed)
+        sharded: Any = lambda t: False  # noqa: E731
+        if strategy.shard_policy.stage >= 2:
+            from polyparallel_torch.sharding import sharded_over_data
+
+            # FSDP2 shards every parameter over data: they have no replicas, and sync_states leaves
+            # them alone. A replicated buffer shows the policy still applies to what is replicated.
+            module.register_buffer("calibration", torch.zeros(4))
+            sharded = sharded_over_data
+        inner = _inner(ignite.auto_model(module, **_options(strategy)))
         fill_states(inner, strategy.session().rank)
-        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
+        replicated = {n for n, t in [*inner.named_parameters(), *inner.named_buffers()] if not sharded(t)}
+        before = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner) if n in replicated}
         strategy.sync_states(inner)
-        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner)}
+        after = {n: t.detach().reshape(-1).double().tolist() for n, t in local_states(inner) if n in replicated}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
 

@@ -25,6 +25,20 @@ def test_adapter_registered_with_capabilities():
         pp.Strategy(data=1, tensor=2, pipeline=2).adapt("ignite")
 
 
+def test_stages_follow_the_torch_runtime():
+    """The adapter runs the sharding stages the torch runtime runs, and refuses the others."""
+    pm = pp.get_plugin_manager()
+    runtime_stages = pm.capabilities()["torch"].stages
+    assert pm.adapters()["ignite"].capabilities.stages == runtime_stages
+    for stage in range(4):
+        strategy = pp.Strategy(data=2, zero=stage)
+        if stage in runtime_stages:
+            strategy.check("ignite", world_size=2)
+        else:
+            with pytest.raises(pp.UnsupportedTopologyError, match=f"cannot run sharding stage zero={stage}"):
+                strategy.check("ignite", world_size=2)
+
+
 def test_demo_entry_registered():
     from polyparallel_ignite.demo import run_demo
 

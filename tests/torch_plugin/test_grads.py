@@ -1,4 +1,5 @@
-"""sync_grads on a bare module (the non-DDP path): frozen, unfrozen and unused parameters.
+"""sync_grads on a bare module (the non-DDP path): frozen, unfrozen and unused parameters; fresh
+gradient tensors every step with accumulation over several backward calls and shared weights.
 
 Every scenario trains a few steps on real gloo processes and compares, step by step, the reduced
 gradients with a single-process reference on the same global batch (each rank's loss computed as
@@ -123,6 +124,96 @@ def check_against_reference(results: list[dict], reference: dict, label: str) ->
             assert torch.equal(r["params"][name], results[0]["params"][name]), f"{label}: replicas differ at {name}"
 
 
+# -- fresh gradients, accumulation, shared weights ------------------------------------------------------
+MICRO = 2  # backward calls per step before sync_grads (gradient accumulation)
+
+
+class SharedNet(nn.Module):
+    """Every parameter used on every rank (the path that packs fresh gradients): runs of same-shape
+    tensors, a 0-d parameter, a layer applied twice (its gradient is produced twice in one
+    backward) and a float64 layer (a bucket of another dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        self.shared = nn.Linear(4, 4)
+        self.wide = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 1)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.extra = nn.Linear(4, 4).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        x = torch.tanh(self.shared(torch.tanh(self.shared(x))))
+        x = x + self.extra(x.double()).float()
+        return self.head(torch.tanh(self.wide(x))) * self.scale
+
+
+def fresh_batches(world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(13)
+    return (torch.randn(STEPS, world * MICRO * ROWS, 4, generator=g),
+            torch.randn(STEPS, world * MICRO * ROWS, 1, generator=g))
+
+
+def _rows(rank: int, micro: int) -> slice:
+    start = (rank * MICRO + micro) * ROWS
+    return slice(start, start + ROWS)
+
+
+def train_fresh_distributed(strategy: pp.Strategy, coord: int, world: int) -> dict:
+    model = SharedNet()
+    xs, ys = fresh_batches(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=step != 3)  # fresh tensors, except one step zeroed in place
+        for micro in range(MICRO):  # accumulate over several backward calls, then sync once
+            nn.functional.mse_loss(model(xs[step, _rows(coord, micro)]), ys[step, _rows(coord, micro)]).backward()
+        strategy.sync_grads(model)
+        steps.append(_grads(model))
+        opt.step()
+    return {"grads": steps, "params": _params(model)}
+
+
+def train_fresh_reference(world: int) -> dict:
+    model = SharedNet()
+    xs, ys = fresh_batches(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(xs[step, _rows(r, m)]), ys[step, _rows(r, m)])
+                   for r in range(world) for m in range(MICRO)) / world
+        loss.backward()
+        steps.append(_grads(model))
+        opt.step()
+    return {"grads": steps, "params": _params(model)}
+
+
+def test_packing_fresh_gradients_matches_each_gradient():
+    """The fresh-gradient packing (torch.stack per run of one shape, then one copy for the rest)
+    writes every gradient into its own view, also for gradients stack cannot take directly."""
+    from polyparallel_torch.grads import _Layout
+
+    shapes = [(3, 2), (5,), (3, 2), (), (3, 2), (), (2, 3), (5,), (7,)]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    (bucket,) = _Layout(params, 1 << 20).buckets
+    assert [len(range(a, b)) for a, b, _ in bucket.runs] == [2, 3, 2] and len(bucket.singles) == 2
+    torch.manual_seed(0)
+    cases = {
+        "contiguous": lambda p: torch.randn(p.shape),
+        "non-contiguous": lambda p: torch.randn(tuple(reversed(p.shape))).T if p.dim() == 2 else torch.randn(p.shape),
+        "requiring grad (create_graph=True)": lambda p: torch.randn(p.shape, requires_grad=True) * 1,
+    }
+    for label, make in cases.items():
+        grads = [make(p) for p in bucket.params]
+        bucket.pack(grads)
+        for g, v in zip(grads, bucket.views):
+            assert torch.equal(v, g.detach()), label
+
+
 # -- bare modules on 2 and 4 processes ----------------------------------------------------------------
 BUCKETS = {"mixed buckets": 0.0001, "single-tensor buckets only": 1e-6, "one flat bucket": None}
 
@@ -135,7 +226,15 @@ def _bare_runs(strategy: pp.Strategy) -> dict:
         s = strategy.replace(grad_policy=pp.GradPolicy(bucket_mb=mb))
         model = Net()
         out[label] = train_distributed(s, model, list(model.backbone.parameters()), coord, world)
+        out[f"fresh, {label}"] = train_fresh_distributed(s, coord, world)
     return out
+
+
+def _check_fresh(results: list[dict], world: int, key: str = "runs") -> None:
+    reference = train_fresh_reference(world)
+    for label in BUCKETS:
+        check_against_reference([r[key][f"fresh, {label}"] for r in results], reference,
+                                f"{world} ranks, fresh gradients, {MICRO} backward calls per step, {label}")
 
 
 def _bare_worker(strategy: pp.Strategy) -> dict:
@@ -160,6 +259,7 @@ def _check_bare(results: list[dict], world: int) -> None:
         model = Net()
         reference = train_reference(model, list(model.backbone.parameters()), world)
         check_against_reference([r["runs"][label] for r in results], reference, f"{world} ranks, {label}")
+    _check_fresh(results, world)
     for r in results:
         before, during, after = r["hooks"]
         assert during == before + 1 and after == before, r["hooks"]  # torch's global hook is scoped
@@ -215,6 +315,7 @@ def test_four_ranks_bare_module_and_tensor_parallel(run):
         model = Net()
         reference = train_reference(model, list(model.backbone.parameters()), 4)
         check_against_reference([r["bare"][label] for r in results], reference, f"4 ranks, {label}")
+    _check_fresh(results, 4, key="bare")
     model = TPNet()
     reference = train_reference(model, list(model.fc1.parameters()), 2)
     check_against_reference([r["tp"] for r in results], reference, "data=2 x tensor=2")
