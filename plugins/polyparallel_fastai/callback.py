@@ -38,6 +38,7 @@ and :meth:`~ParallelCallback.load` (collective: call them on every rank).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ class ParallelCallback(Callback):
         """``learn.load``: every rank reads the file the checkpoint rank wrote (after a barrier,
         as fastai's own ``load``, which waits on the whole ``torch.distributed`` world instead),
         onto the device of its model (``device=`` to override)."""
-        from fastai.learner import join_path_file, load_model
+        from fastai.learner import join_path_file
 
         learn = self._learner("load")
         if learn.opt is None:
@@ -159,8 +160,8 @@ class ParallelCallback(Callback):
         path = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
         _metrics.summing(self.strategy).reduce_metrics({"fastai.load.barrier": 1.0})
         # Read onto the CPU; load_state_dict copies into the parameters wherever they live.
-        load_model(path, learn.model, learn.opt, with_opt=with_opt, device="cpu" if device is None else device,
-                   strict=strict)
+        _load_model(path, learn.model, learn.opt, with_opt=with_opt, device="cpu" if device is None else device,
+                    strict=strict)
         return learn
 
     def _learner(self, what: str) -> Learner:
@@ -339,6 +340,20 @@ def _uninstall(learn: Any, cb: ParallelCallback) -> None:
         bound = learn.__dict__.get(name)
         if getattr(bound, "__self__", None) is cb:
             del learn.__dict__[name]
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def _load_model(path: Path, model: Any, opt: Any, **options: Any) -> None:
+    """fastai's ``load_model``, one thread at a time: it allowlists its classes for torch's
+    ``weights_only`` unpickler with ``torch.serialization.safe_globals``, a process-wide set that
+    the first thread to leave the context empties for the others (the replica threads of one XLA
+    process load together)."""
+    from fastai.learner import load_model
+
+    with _LOAD_LOCK:
+        load_model(path, model, opt, **options)
 
 
 def _write(path: Path, learn: Any, with_opt: bool, pickle_protocol: int) -> None:
