@@ -8,7 +8,12 @@ SGD, in the same 2 gloo processes:
 - native: a hand-written callback (what fastai users write without ``accelerate``): DDP over
   the world in ``before_fit``, each rank's loader reading the strided half of a shuffled order;
 - control: a second, identical native Learner (same-vs-same: the noise floor of the ratio);
-- polyparallel: ``strategy.adapt("fastai")``.
+- polyparallel: ``strategy.adapt("fastai")``;
+- native-local-loss: the native callback plus a hand-written smoothed loss that, like the
+  adapter's, does not gather every batch's loss over the world (fastai's ``AvgSmoothLoss`` calls
+  ``to_detach(..., gather=True)``: one ``all_gather`` per training step when ``WORLD_SIZE`` > 1).
+  native-local-loss/polyparallel compares the same work; native/polyparallel shows what that
+  per-step gather costs a fastai user.
 
 Each round trains one epoch of each, in a rotating order (machine noise hits all alike); every
 step starts after a barrier so both ranks are timed from the same point; the first round is
@@ -35,7 +40,7 @@ def _worker(strategy: pp.Strategy, rounds: int) -> dict[str, Any]:
     from fastai.callback.progress import ProgressCallback
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
-    from fastai.learner import Learner
+    from fastai.learner import AvgSmoothLoss, Learner
     from fastai.optimizer import SGD
     from torch import nn
     from torch.utils.data import TensorDataset
@@ -60,6 +65,24 @@ def _worker(strategy: pp.Strategy, rounds: int) -> dict[str, Any]:
 
         def after_fit(self) -> None:
             self.learn.model = self.learn.model.module
+
+    class LocalSmooth(AvgSmoothLoss):
+        """fastai's smoothed loss without the per-batch world-wide gather."""
+
+        def accumulate(self, learn: Any) -> None:
+            self.count += 1
+            self.val = torch.lerp(learn.loss.mean().detach().cpu(), self.val, self.beta)
+
+    class NativeDDPLocalLoss(NativeDDP):
+        def before_fit(self) -> None:
+            super().before_fit()
+            recorder = self.learn.recorder
+            self.saved = recorder.smooth_loss
+            recorder.__dict__["smooth_loss"] = LocalSmooth(beta=self.saved.beta)
+
+        def after_fit(self) -> None:
+            super().after_fit()
+            self.learn.recorder.__dict__["smooth_loss"] = self.saved
 
     def native_loader(ds: Any, bs: int, shuffle: bool) -> Any:
         gen = torch.Generator().manual_seed(0)
@@ -94,17 +117,17 @@ def _worker(strategy: pp.Strategy, rounds: int) -> dict[str, Any]:
             cbs = [strategy.adapt("fastai"), Timer(name)]
         else:
             dls = DataLoaders(native_loader(train, 128 // world, True), native_loader(valid, 64 // world, False), device="cpu")
-            cbs = [NativeDDP(), Timer(name)]
+            cbs = [NativeDDPLocalLoss() if name == "native-local-loss" else NativeDDP(), Timer(name)]
         learn = Learner(dls, model_(), loss_func=nn.functional.cross_entropy, opt_func=SGD, lr=0.01, cbs=cbs)
         learn.remove_cb(ProgressCallback)
         learn.logger = lambda *a, **k: None
         return learn
 
-    sides = {name: learner(name) for name in ("native", "control", "polyparallel")}
+    sides = {name: learner(name) for name in ("native", "control", "polyparallel", "native-local-loss")}
     per_round: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     for r in range(rounds + 1):
-        order = names[r % 3:] + names[:r % 3]  # rotate who goes first
+        order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
         for name in order:
             times[name] = []
             sides[name].fit(1)
@@ -126,21 +149,25 @@ def main() -> None:
     results = pp.launch(_worker, strategy, 2, args=(strategy, rounds), runtime="fastai", timeout=1200)
     # A step ends when the slowest rank ends it: per round, the slower rank's median on each side.
     rounds_ms = {side: [max(r["per_round_ms"][side][i] for r in results) for i in range(rounds)]
-                 for side in ("native", "control", "polyparallel")}
+                 for side in ("native", "control", "polyparallel", "native-local-loss")}
     ratio = [n / p for n, p in zip(rounds_ms["native"], rounds_ms["polyparallel"])]
+    same_work = [n / p for n, p in zip(rounds_ms["native-local-loss"], rounds_ms["polyparallel"])]
     control = [n / c for n, c in zip(rounds_ms["native"], rounds_ms["control"])]
     print(f"fastai training step, MLP 256-512-512-10, global batch 128, data=2 (gloo, 2 processes), {rounds} rounds "
           f"of {results[0]['steps_per_epoch']} steps per side, {time.perf_counter() - start:.0f} s")
     print(f"{'learner':40}  {'median step (ms)':>16}")
     print(f"{'-' * 40}  {'-' * 16}")
     for side, label in (("native", "fastai + hand-written DDP callback"), ("control", "the same again (control)"),
-                        ("polyparallel", "fastai + polyparallel adapter")):
+                        ("polyparallel", "fastai + polyparallel adapter"),
+                        ("native-local-loss", "hand-written, loss not gathered per step")):
         print(f"{label:40}  {statistics.median(rounds_ms[side]):16.3f}")
     print(f"ratio native/polyparallel: median {statistics.median(ratio):.3f} (min {min(ratio):.3f}, max {max(ratio):.3f})")
+    print(f"ratio native-local-loss/polyparallel (same work): median {statistics.median(same_work):.3f} "
+          f"(min {min(same_work):.3f}, max {max(same_work):.3f})")
     print(f"ratio native/control:      median {statistics.median(control):.3f} (min {min(control):.3f}, max {max(control):.3f})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds_ms": rounds_ms, "ratio": ratio, "control_ratio": control, "rounds": rounds,
+            json.dump({"rounds_ms": rounds_ms, "ratio": ratio, "same_work_ratio": same_work, "control_ratio": control, "rounds": rounds,
                        "per_rank": results}, f, indent=2)
 
 
