@@ -6,8 +6,6 @@ data group's replica groups, executed before the operation returns."""
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -167,58 +165,18 @@ def sync_grads(target: Any, rt: XlaRuntime, strategy: pp.Strategy) -> Any:
 
 
 # -- reduce_metrics ------------------------------------------------------------------------------------------------
-def _as_host(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", torch.float64).reshape(-1)
-    return torch.tensor([float(value)], dtype=torch.float64)
-
-
 def reduce_metrics(metrics: Mapping[str, Any], rt: XlaRuntime, policy: pp.MetricPolicy) -> dict[str, Any]:
     """Reduce ``metrics`` over the data group: ``Mean(total, count)`` count-weighted, plain values
     by the ``MetricPolicy`` op. One float64 XLA all-reduce per op, after the host check whose
-    descriptor holds every name, op and size (ranks reducing different names fail naming both)."""
+    descriptor holds every name, op and size (ranks reducing different names fail naming both).
+    The packing is the torch runtime's (:func:`polyparallel_torch.metrics.reduce_layout`)."""
+    from polyparallel_torch.metrics import layout, reduce_layout
+
     rt.ensure_usable("reduce_metrics", "data")
-    layout: list[tuple[str, str, int, Any]] = []
-    refusal = None
-    for name in sorted(metrics):
-        value = metrics[name]
-        if isinstance(value, pp.Mean):
-            layout.append((name, "weighted", 2, value))
-        elif isinstance(value, (torch.Tensor, numbers.Real)):
-            layout.append((name, policy.op_for(name), _as_host(value).numel(), value))
-        elif refusal is None:
-            refusal = (f"reduce_metrics(): metric {name!r} is a {type(value).__name__} ({value!r:.60}) on rank "
-                       f"{rt.rank}; expected a number, a torch tensor or polyparallel.Mean(total, count).")
-    signature = ", ".join(f"{n}:{op}[{k}]" for n, op, k, _ in layout)
+    items, signature, refusal = layout(metrics, policy, rt.rank)
     rt.check("reduce_metrics", "data", signature, refusal=refusal)
-    parts: dict[str, list[torch.Tensor]] = {"sum": [], "max": [], "min": []}
-    for _name, op, _k, value in layout:
-        if op == "weighted":
-            parts["sum"].append(torch.cat([_as_host(value.total), _as_host(value.count)]))
-        else:
-            parts["sum" if op in ("mean", "sum") else op].append(_as_host(value))
-    reduced: dict[str, torch.Tensor] = {}
-    for op, chunks in parts.items():
-        if chunks:
-            flat = torch.cat(chunks).to(rt.device)
-            rt.all_reduce([flat], op, "reduce_metrics", "data")
-            reduced[op] = flat.cpu()
-    offsets = dict.fromkeys(parts, 0)
-    data_size = rt.topology.size("data")
-    out: dict[str, Any] = {}
-    for name, op, numel, value in layout:
-        key = "sum" if op in ("weighted", "mean", "sum") else op
-        chunk = reduced[key][offsets[key]: offsets[key] + numel]
-        offsets[key] += numel
-        if op == "weighted":
-            total, count = chunk.tolist()
-            out[name] = total / count if count else math.nan
-        elif isinstance(value, torch.Tensor):
-            chunk = chunk / data_size if op == "mean" else chunk
-            out[name] = chunk.reshape(value.shape).to(value.dtype if value.is_floating_point() else torch.float64)
-        else:
-            out[name] = float(chunk.item()) / (data_size if op == "mean" else 1)
-    return out
+    return reduce_layout(items, lambda flat, op: rt.all_reduce([flat], op, "reduce_metrics", "data"), rt.device,
+                         rt.topology.size("data"))
 
 
 # -- sync_states ------------------------------------------------------------------------------------------------------
