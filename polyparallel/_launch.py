@@ -84,7 +84,10 @@ def launch(
     chosen = _routing.require(pm, strategy, among, needed_by="launch()")
     if among is not None and strategy.runtime is None and chosen != pm.resolve_runtime(strategy):
         strategy = strategy.replace(runtime=chosen)
-    pm.runtimes()[chosen].check(topology, strategy.shard_policy.stage)
+    # The sharding stage is checked against whoever shards: the adapter named (checked above: it
+    # may shard by itself, as DeepSpeed does), else the runtime.
+    adapter_named = runtime is not None and runtime not in pm.runtimes()
+    pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage)
     _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})")
     args, kwargs = tuple(args), dict(kwargs or {})
     try:  # here, not in a half-started job: the processes get them pickled

@@ -229,12 +229,14 @@ def data_policy_with(policy: DataPolicy, overrides: Mapping[str, Any]) -> DataPo
 
 
 def check_session(pm: PluginManager, session: Session) -> None:
-    """Before any process group exists: the session's runtime admits its resolved topology, and
-    the batch size divides over its data axis (covers scripts under torchrun that build their
-    Strategy themselves)."""
+    """Before any process group exists: the session's runtime admits its resolved topology's axes,
+    and the batch size divides over its data axis (covers scripts under torchrun that build their
+    Strategy themselves). Not the sharding stage: an adapter may shard by itself on the runtime's
+    groups (DeepSpeed); the stage is checked by ``launch``/``check``/``adapt`` against whoever
+    shards, and by the runtime's own ``wrap_model`` when it shards."""
     runtime = session.runtime
     if runtime is not None:
-        pm.runtimes()[runtime].check(session.topology, session.strategy.shard_policy.stage)
+        pm.runtimes()[runtime].check(session.topology)
     check_batch(session.strategy.data_policy, session.topology,
                 f"{session.strategy!r} in a world of {session.world_size}")
 

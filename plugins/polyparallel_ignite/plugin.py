@@ -21,7 +21,7 @@ __all__: list[str] = []
 CAPABILITIES = pp.Capabilities(
     "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},), runtimes={"torch"},
     features={"ddp", "tensor_parallel_plan", "gpipe", "metrics_over_data_group", "timeouts", "idist_parallel"},
-    stages=TORCH_CAPABILITIES.stages,
+    stages=TORCH_CAPABILITIES.stages, stages_with=TORCH_CAPABILITIES.stages_with,
 )
 
 

@@ -32,6 +32,13 @@ def _runtime_stages() -> frozenset[int]:
     return TORCH.stages
 
 
+def _runtime_stage_limits() -> tuple[tuple[str, frozenset[int], str], ...]:
+    """The runtime's limits on stages with another axis (zero=1 with tensor > 1), for the same reason."""
+    from polyparallel_torch.plugin import CAPABILITIES as TORCH
+
+    return TORCH.stages_with
+
+
 #: Data and tensor parallelism (and both at once); no pipeline stages: Lightning's training loop
 #: runs one forward/backward per step on every rank, which a pipeline schedule would replace.
 #: Sharding stages: the torch runtime's.
@@ -40,7 +47,7 @@ CAPABILITIES = pp.Capabilities(
     features={"lightning.pytorch", "pytorch_lightning", "ddp", "tensor_parallel_plan", "lightning_launcher",
               "external_launcher", "sync_dist_over_data", "consolidated_checkpoints", "fsdp2",
               "distributed_checkpoints"},
-    stages=_runtime_stages(),
+    stages=_runtime_stages(), stages_with=_runtime_stage_limits(),
 )
 
 

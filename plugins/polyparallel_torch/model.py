@@ -104,6 +104,11 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
     if is_ddp(model) or is_fsdp(model):
         raise TypeError(f"wrap_model() got a model that is already {type(model).__name__} (DDP or fully_shard); "
                         "pass the bare module.")
+    # The stage this runtime shards at (the session checked only the axes: an adapter such as
+    # DeepSpeed may shard by itself on these groups); refused here before any collective.
+    from .plugin import CAPABILITIES
+
+    CAPABILITIES.check(topology, stage)
     validate_sharding(model, topology, stage, options)
     if topology.size("pipeline") > 1:
         from .pipeline import validate_pipeline

@@ -136,11 +136,13 @@ class ConformanceDriver(abc.ABC):
                timeout: float, world_size: int) -> list[Any]:
         """Run ``fn(*args)`` in ``nprocs`` processes that together run ``world_size`` ranks;
         return the results by process. The default is :func:`polyparallel.launch` (one rank per
-        process); a runtime whose processes drive several ranks (devices) overrides it."""
+        process, checked against :attr:`target`'s capabilities as ``launch(runtime=target)`` does: an
+        adapter that shards by itself is checked for the sharding stage, not its runtime); a
+        runtime whose processes drive several ranks (devices) overrides it."""
         if world_size != nprocs:
             raise ValueError(f"{type(self).__name__} runs one rank per process, but the suite asks for "
                              f"{world_size} ranks on {nprocs} processes: override launch() and local_ranks().")
-        return launch(fn, strategy, nprocs, args=args, timeout=timeout)
+        return launch(fn, strategy, nprocs, args=args, timeout=timeout, runtime=self.target or None)
 
     def local_ranks(self, strategy: Strategy) -> list[int]:
         """In a launched process: the ranks this process runs (default: its session's rank)."""

@@ -186,6 +186,12 @@ def test_zero1_with_tensor_or_pipeline_x_data_refused_before_launch():
         pp.launch(print, pp.Strategy(pipeline=2, data=2, zero=1), 4, runtime="torch", timeout=10)
     with pytest.raises(pp.UnsupportedTopologyError, match="zero=1 with pipeline=2"):  # one rule for every data size
         pp.Strategy(pipeline=2, data=1, zero=1).check("torch")
+    # A script under torchrun: the session checks the axes only (an adapter such as DeepSpeed may
+    # shard by itself on these groups), so wrap_model refuses the stage, before any collective.
+    from polyparallel_torch.model import validate
+
+    with pytest.raises(pp.UnsupportedTopologyError, match="zero=1 with pipeline=2"):
+        validate(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), pp.Topology(pipeline=2, data=2), {}, stage=1)
     for stage in (0, 2, 3):
         pp.Strategy(pipeline=2, data=2, zero=stage).check("torch", world_size=4)
     for stage in (0, 1, 2, 3):  # every stage is declared
