@@ -45,16 +45,12 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 
 def check_strategy(strategy: pp.Strategy) -> None:
-    """Refuse what DeepSpeed cannot run, before anything starts: pipeline > 1 with ZeRO 2 or 3.
+    """Refuse what DeepSpeed cannot run, before anything starts: the adapter's declared
+    capabilities (axes, ZeRO stages, no ZeRO 2/3 with a pipeline, with DeepSpeed's reason),
+    which ``pp.launch(runtime="deepspeed")`` and ``adapt`` check as well."""
+    from .plugin import CAPABILITIES
 
-    (The adapter's capabilities already refuse axes and stages it does not run at all.)"""
-    stage = strategy.shard_policy.stage
-    pipeline = strategy.topology.size("pipeline")
-    if pipeline != 1 and stage >= 2:
-        raise pp.UnsupportedTopologyError(
-            f"The 'deepspeed' adapter cannot run pipeline={pipeline} with Strategy(zero={stage}): DeepSpeed says "
-            f"{PIPELINE_ZERO_REASON!r} (its pipeline engine reduces gradients itself). Use zero=0 or zero=1 with a "
-            "pipeline, or pipeline=1 for ZeRO 2/3.")
+    CAPABILITIES.check(strategy.topology, strategy.shard_policy.stage)
 
 
 def _positive_int(name: str, value: Any) -> int:

@@ -19,7 +19,7 @@ __all__ = ["CAPABILITIES", "is_engine"]
 
 #: Data parallelism (ZeRO 0-3 over the data axis) and DeepSpeed's pipeline engine (with data);
 #: on the torch runtime, whose process groups DeepSpeed uses. Pipeline with ZeRO 2/3 is refused
-#: before launch (``stages_with``) and by the adapter (``config.check_strategy``), with DeepSpeed's reason.
+#: before launch (``stages_with``, which ``config.check_strategy`` also applies), with DeepSpeed's reason.
 CAPABILITIES = pp.Capabilities(
     "deepspeed", axes={"data", "pipeline"}, stages={0, 1, 2, 3}, runtimes={"torch"},
     stages_with={"pipeline": ({0, 1}, f"DeepSpeed says {PIPELINE_ZERO_REASON!r} (its pipeline engine reduces gradients "

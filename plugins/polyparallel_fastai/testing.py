@@ -17,6 +17,7 @@ import polyparallel as pp
 from polyparallel.testing import ConformanceDriver
 from polyparallel_torch.testing import (
     LR,
+    TorchDriver,
     fill_states,
     flat_params,
     ghost_batch_reference,
@@ -25,7 +26,7 @@ from polyparallel_torch.testing import (
     reference_model,
 )
 
-__all__ = ["FastaiDriver", "make_learner", "quiet"]
+__all__ = ["FastaiDriver", "make_learner", "quiet", "single_process_order"]
 
 
 def quiet(learn: Any) -> Any:
@@ -49,6 +50,25 @@ def make_learner(train: Any, valid: Any, model: nn.Module, bs: int, *, cbs: Any 
                       DataLoader(valid, bs=valid_bs or bs), device="cpu")
     return quiet(Learner(dls, model, loss_func=nn.functional.cross_entropy, opt_func=opt_func or SGD, lr=LR,
                          metrics=list(metrics), cbs=list(cbs)))
+
+
+def single_process_order(learn: Any, length: int, seed: int) -> Any:
+    """Make a plain one-process ``learn`` read its training set in the order a sharded run sees
+    over all its ranks: :func:`polyparallel.shard_indices` over one rank, epoch by epoch (the
+    single-process reference of the parity tests). Returns ``learn``."""
+    from fastai.callback.core import Callback
+
+    from .data import ShardIndices
+
+    order = ShardIndices(length, 0, 1, seed, True, "pad", length)
+    learn.dls.train.get_idxs = order
+
+    class FollowEpoch(Callback):
+        def before_train(self) -> None:
+            order.epoch = self.epoch
+
+    learn.add_cb(FollowEpoch())
+    return learn
 
 
 class _States:
@@ -134,12 +154,10 @@ class FastaiDriver(ConformanceDriver):
         return {"loss": float(loss), "accuracy": float(acc)}
 
     def evaluate_reference(self) -> dict[str, float]:
-        x, y = reference_dataset(self.dataset_size, torch.float64).tensors
-        model = reference_model(0, torch.float64).eval()
-        with torch.no_grad():
-            logits = model(x)
-        return {"loss": float(nn.functional.cross_entropy(logits, y)),
-                "accuracy": float((logits.argmax(-1) == y).double().mean())}
+        """The torch runtime's whole-data-set metrics (the same model and data)."""
+        driver = TorchDriver()
+        driver.dataset_size = self.dataset_size
+        return driver.evaluate_reference()
 
     def sync_states(self, strategy: pp.Strategy) -> dict[str, dict[str, Any]]:
         dataset = reference_dataset(self.dataset_size)

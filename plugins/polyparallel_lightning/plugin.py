@@ -18,36 +18,21 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel import hookimpl
+from polyparallel_torch.plugin import CAPABILITIES as TORCH_CAPABILITIES  # imports no torch
 
 __all__ = ["CAPABILITIES", "adapt"]
 
 
-def _runtime_stages() -> frozenset[int]:
-    """The sharding stages of the torch runtime: the adapter runs each of them (stage 0 over
-    Lightning's DDPStrategy, 1-3 over its ModelParallelStrategy, the sharding itself done by the
-    runtime's ``wrap_model``), so it declares what the runtime declares. Reading the runtime
-    plugin's capabilities imports neither torch nor Lightning."""
-    from polyparallel_torch.plugin import CAPABILITIES as TORCH
-
-    return TORCH.stages
-
-
-def _runtime_stage_limits() -> tuple[tuple[str, frozenset[int], str], ...]:
-    """The runtime's limits on stages with another axis (zero=1 with tensor > 1), for the same reason."""
-    from polyparallel_torch.plugin import CAPABILITIES as TORCH
-
-    return TORCH.stages_with
-
-
 #: Data and tensor parallelism (and both at once); no pipeline stages: Lightning's training loop
 #: runs one forward/backward per step on every rank, which a pipeline schedule would replace.
-#: Sharding stages: the torch runtime's.
+#: Sharding stages and their limits: the torch runtime's (stage 0 over Lightning's DDPStrategy,
+#: 1-3 over its ModelParallelStrategy, the sharding itself done by the runtime's ``wrap_model``).
 CAPABILITIES = pp.Capabilities(
     "lightning", axes={"data", "tensor"}, runtimes={"torch"},  # Lightning trains torch modules
     features={"lightning.pytorch", "pytorch_lightning", "ddp", "tensor_parallel_plan", "lightning_launcher",
               "external_launcher", "sync_dist_over_data", "consolidated_checkpoints", "fsdp2",
               "distributed_checkpoints"},
-    stages=_runtime_stages(), stages_with=_runtime_stage_limits(),
+    stages=TORCH_CAPABILITIES.stages, stages_with=TORCH_CAPABILITIES.stages_with,
 )
 
 

@@ -19,8 +19,7 @@ from torch.utils.data import TensorDataset
 
 import polyparallel as pp
 from polyparallel.testing import reference_data
-from polyparallel_fastai.data import ShardIndices
-from polyparallel_fastai.testing import make_learner
+from polyparallel_fastai.testing import make_learner, single_process_order
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -92,19 +91,10 @@ def _worker(strategy: pp.Strategy, workdir: str) -> dict[str, Any]:
 
 def _reference() -> tuple[dict[str, list[float]], list[list[float]], list[float]]:
     """A plain fastai Learner, one process, global batch GLOBAL, the epoch orders of the shard."""
-    from fastai.callback.core import Callback
 
     train, valid = _data()
     learn = make_learner(train, valid, _model(), GLOBAL, metrics=_metrics(), opt_func=_opt(), valid_bs=5)
-    # The same sample order as the sharded run: polyparallel.shard_indices over one rank.
-    order = ShardIndices(N_TRAIN, 0, 1, SEED, True, "pad", N_TRAIN)
-    learn.dls.train.get_idxs = order
-
-    class Epoch(Callback):
-        def before_train(self) -> None:
-            order.epoch = self.epoch
-
-    learn.add_cb(Epoch())
+    single_process_order(learn, N_TRAIN, SEED)  # the sharded run's sample order, over one rank
     learn.fit(EPOCHS)
     return _params(learn.model), [list(map(float, v)) for v in learn.recorder.values], [float(v) for v in learn.recorder.losses]
 

@@ -21,8 +21,7 @@ from torch.utils.data import TensorDataset  # noqa: E402
 
 import polyparallel as pp  # noqa: E402
 from polyparallel.testing import reference_data  # noqa: E402
-from polyparallel_fastai.data import ShardIndices  # noqa: E402
-from polyparallel_fastai.testing import make_learner  # noqa: E402
+from polyparallel_fastai.testing import make_learner, single_process_order  # noqa: E402
 from polyparallel_xla.testing import install_ordered_sync  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -112,18 +111,10 @@ def _worker(strategy: pp.Strategy, state: dict[str, torch.Tensor], workdir: str)
 
 def _reference() -> dict[str, Any]:
     """A plain fastai Learner, one CPU process, global batch GLOBAL, the shard's epoch orders."""
-    from fastai.callback.core import Callback
 
     train, valid = _data()
     learn = make_learner(train, valid, _model(), GLOBAL, metrics=_metrics(), opt_func=_opt(), valid_bs=5)
-    order = ShardIndices(N_TRAIN, 0, 1, SEED, True, "pad", N_TRAIN)
-    learn.dls.train.get_idxs = order
-
-    class Epoch(Callback):
-        def before_train(self) -> None:
-            order.epoch = self.epoch
-
-    learn.add_cb(Epoch())
+    single_process_order(learn, N_TRAIN, SEED)  # the sharded run's sample order, over one rank
     values, losses = _fits(learn)
     return {"params": _params(learn.model), "values": values, "losses": losses}
 
