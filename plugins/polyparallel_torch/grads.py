@@ -55,6 +55,7 @@ from itertools import repeat
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import polyparallel as pp
@@ -168,6 +169,7 @@ class _Layout:
         if carrier is not None:
             self.buckets.insert(0, self.buckets.pop(carrier))
         self.presence: torch.Tensor | None = None  # its own buffer when no bucket carries it
+        self.any_sharded = any(b.any_sharded for b in self.buckets)
         if carrier is None and params:
             self.presence = torch.zeros(len(params), dtype=torch.float32, device=locals_[0].device)
         shapes = ";".join(f"{t.dtype}{list(t.shape)}" for t in locals_)
@@ -181,27 +183,62 @@ class _Layout:
         grads = list(map(_GRAD, self.params))
         all_present = all(map(operator.is_not, grads, repeat(None)))
         detail = f"{self.summary}, op {op}, layout {self.digest}"
-        with rt.operation(OPERATION, "data", detail, check=check):
+        # The identity check travels while this rank packs its gradients into its own buffers: local
+        # work that changes no .grad and starts no collective, so a mismatch still raises before any
+        # payload, and the check's latency (and the other ranks' lateness) hides behind the packing.
+        pending = rt.start_check(OPERATION, "data", detail) if check else False
+        mines = [bucket.mine(grads) for bucket in self.buckets]
+        for bucket, mine in zip(self.buckets, mines):
+            if bucket.flat is not None:
+                self._fill(bucket, mine)
+                if bucket.tail is not None:
+                    self._flags_into(bucket.tail, grads, all_present)
+        if self.presence is not None:
+            self._flags_into(self.presence, grads, all_present)
+        with rt.operation(OPERATION, "data", detail, check=pending) as label:
             if not self.buckets:
+                return
+            if all_present and not self.any_sharded:
+                # Every parameter has a gradient here, so on some rank: nothing is skipped and nobody
+                # needs the presence flags' result (the peers run the same collectives, see below).
+                del grads
+                self._reduce_present(rt, op, mines, label)
                 return
             present: list[bool] | None = None
             if self.presence is not None:  # no flat bucket to carry the flags: one tiny all-reduce
-                self._flags_into(self.presence, grads, all_present)
                 rt.all_reduce(self.presence, "max", OPERATION, "data")
                 present = None if all_present else [f > 0 for f in self.presence.tolist()]
-            for bucket in self.buckets:
-                mine = bucket.mine(grads)
+            for bucket, mine in zip(self.buckets, mines):
                 if present is not None and not any(present[i] for i in bucket.indices):
                     continue  # no rank has a gradient for any of these: leave them None everywhere
                 if bucket.flat is None:
                     self._sync_single(bucket, mine[0], rt, op)
                     continue
-                if bucket.tail is not None:
-                    self._flags_into(bucket.tail, grads, all_present)
-                self._sync_flat(bucket, mine, rt, op)
+                rt.all_reduce(bucket.flat, op, OPERATION, "data")
                 if bucket.tail is not None and not all_present:
                     present = [f > 0 for f in bucket.tail.tolist()]
                 self._assign(bucket, mine, present)
+
+    def _reduce_present(self, rt: TorchRuntime, op: str, mines: list[list[Any]], label: str) -> None:
+        """Every gradient present on this rank: start every bucket's all-reduce at once, re-point
+        ``.grad`` to the buffers' views and release the fresh tensors while they travel, then wait.
+        The same collectives, in the same order, as the bucket-by-bucket path a rank missing some
+        gradient takes (the presence flags first, no bucket skipped: this rank has them all)."""
+        group = rt.group("data")
+        tensors = ([self.presence] if self.presence is not None else []) + [
+            _local(mine[0]) if bucket.flat is None else bucket.flat for bucket, mine in zip(self.buckets, mines)]
+        with rt.collective(OPERATION, "data", label):
+            works = [dist.all_reduce(t, op=dist.ReduceOp.MAX if t is self.presence else dist.ReduceOp.SUM,
+                                     group=group, async_op=True) for t in tensors]
+        for bucket in self.buckets:
+            if bucket.flat is not None:
+                _set_grads(bucket.params, bucket.views)
+        mines.clear()  # the fresh gradient tensors are freed here, while the all-reduces run
+        for work in works:
+            rt.wait(work, OPERATION, "data", label)
+        if op == "avg":
+            size = rt.axis_size("data")
+            torch._foreach_div_([t for t in tensors if t is not self.presence], size)
 
     @staticmethod
     def _flags_into(flags: torch.Tensor, grads: list[Any], all_present: bool) -> None:
@@ -221,22 +258,22 @@ class _Layout:
         param.grad = _as_grad_of(param, zeros)
 
     @staticmethod
-    def _sync_flat(bucket: _Bucket, grads: list[Any], rt: TorchRuntime, op: str) -> None:
-        assert bucket.flat is not None
+    def _fill(bucket: _Bucket, grads: list[Any]) -> None:
+        """Put this rank's gradients into the bucket's buffer (local work only: the buffer is not
+        any ``.grad`` that this changes)."""
         views = bucket.views
         in_place = list(map(operator.is_, grads, views))
         if all(in_place):
-            pass  # gradients already live in the buffer (zeroed in place between steps)
-        elif not any(in_place) and all(map(operator.is_not, grads, repeat(None))):
+            return  # gradients already live in the buffer (zeroed in place between steps)
+        if not any(in_place) and all(map(operator.is_not, grads, repeat(None))):
             bucket.pack(grads)  # fresh gradient tensors (zero_grad(set_to_none=True))
-        else:
-            for g, v in zip(grads, views):
-                if g is None:
-                    v.zero_()  # an unused parameter contributes zeros, as with DDP
-            fresh = [(_local(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
-            if fresh:
-                torch._foreach_copy_([v for _, v in fresh], [g for g, _ in fresh])
-        rt.all_reduce(bucket.flat, op, OPERATION, "data")
+            return
+        for g, v in zip(grads, views):
+            if g is None:
+                v.zero_()  # an unused parameter contributes zeros, as with DDP (v is not its .grad)
+        fresh = [(_local(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
+        if fresh:
+            torch._foreach_copy_([v for _, v in fresh], [g for g, _ in fresh])
 
     @staticmethod
     def _assign(bucket: _Bucket, grads: list[Any], present: list[bool] | None) -> None:

@@ -330,22 +330,39 @@ class TorchRuntime:
             local rank then raises ``TypeError(refusal)``.
         :return: the operation's label in errors, ``"<operation> #<sequence number>"``.
         """
+        return self.start_check(operation, axis, detail, refusal)()
+
+    def start_check(self, operation: str, axis: str, detail: str = "",
+                    refusal: str | None = None) -> Callable[[], str]:
+        """:meth:`check` in two halves: start its all-reduce now and return the function that
+        waits for it and answers (returns the label or raises) as :meth:`check` does. The caller
+        may do local work in between (``sync_grads`` packs gradients while the check travels),
+        but must not start another collective before calling it."""
         self.ensure_usable(operation, axis)
         group = self.group(axis)
         if group is None:
-            if refusal is not None:
-                raise TypeError(refusal)
-            return operation
+            return lambda: self._agreed(operation, refusal)
         seq = self._seq[axis] = self._seq.get(axis, 0) + 1
         h = _hash62(f"{operation}\0{axis}\0{seq}\0{detail}\0{refusal or ''}")
         buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
         name = f"{operation} #{seq}"
-        self._all_reduce(buf, "max", operation, axis, group, name)
+        with self.collective(operation, axis, name):
+            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        return lambda: self._finish_check(work, buf, group, operation, axis, seq, detail, refusal)
+
+    @staticmethod
+    def _agreed(label: str, refusal: str | None) -> str:
+        if refusal is not None:
+            raise TypeError(refusal)
+        return label
+
+    def _finish_check(self, work: Any, buf: torch.Tensor, group: Any, operation: str, axis: str, seq: int,
+                      detail: str, refusal: str | None) -> str:
+        name = f"{operation} #{seq}"
+        self.wait(work, operation, axis, name)
         high, neg_low = buf.tolist()
         if high == -neg_low:
-            if refusal is not None:
-                raise TypeError(refusal)
-            return name
+            return self._agreed(name, refusal)
         # Every rank of the group saw the mismatch: all of them gather the descriptors.
         out: list[Any] = [None] * len(self.group_ranks(axis))
         with self.collective(operation, axis, f"{name} (identity check)"):
@@ -357,14 +374,16 @@ class TorchRuntime:
         raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
 
     @contextlib.contextmanager
-    def operation(self, name: str, axis: str, detail: str = "", check: bool = True) -> Iterator[None]:
+    def operation(self, name: str, axis: str, detail: str = "",
+                  check: bool | Callable[[], str] = True) -> Iterator[str]:
         """One polyparallel operation over ``axis``: :meth:`check` once (unless ``check`` is
-        false), then the collectives of the body over that axis skip their own checks."""
-        label = self.check(name, axis, detail) if check else name
+        false; a function returned by :meth:`start_check` is finished instead), then the
+        collectives of the body over that axis skip their own checks. Yields the label for errors."""
+        label = (check() if callable(check) else self.check(name, axis, detail)) if check else name
         previous = self._covered.get(axis)
         self._covered[axis] = label
         try:
-            yield
+            yield label
         finally:
             if previous is None:
                 self._covered.pop(axis, None)
