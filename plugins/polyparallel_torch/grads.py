@@ -190,7 +190,7 @@ class _Layout:
         mines = [bucket.mine(grads) for bucket in self.buckets]
         for bucket, mine in zip(self.buckets, mines):
             if bucket.flat is not None:
-                self._fill(bucket, mine)
+                self._fill(bucket, mine, all_present)
                 if bucket.tail is not None:
                     self._flags_into(bucket.tail, grads, all_present)
         if self.presence is not None:
@@ -258,15 +258,18 @@ class _Layout:
         param.grad = _as_grad_of(param, zeros)
 
     @staticmethod
-    def _fill(bucket: _Bucket, grads: list[Any]) -> None:
+    def _fill(bucket: _Bucket, grads: list[Any], all_present: bool) -> None:
         """Put this rank's gradients into the bucket's buffer (local work only: the buffer is not
         any ``.grad`` that this changes)."""
         views = bucket.views
-        in_place = list(map(operator.is_, grads, views))
-        if all(in_place):
-            return  # gradients already live in the buffer (zeroed in place between steps)
-        if not any(in_place) and all(map(operator.is_not, grads, repeat(None))):
-            bucket.pack(grads)  # fresh gradient tensors (zero_grad(set_to_none=True))
+        if all_present or all(map(operator.is_not, grads, repeat(None))):
+            if grads[0] is views[0] and all(map(operator.is_, grads, views)):
+                return  # gradients already live in the buffer (zeroed in place between steps)
+            # Fresh gradient tensors (zero_grad(set_to_none=True)), told by the first one alone: no
+            # pass over the others, whose cache lines backward has evicted. Should some of them be
+            # views of the buffer after all, torch.stack refuses the overlap and pack copies tensor
+            # by tensor (a view onto itself is a no-op): the same result.
+            bucket.pack(grads)
             return
         for g, v in zip(grads, views):
             if g is None:

@@ -40,6 +40,16 @@ class Net(nn.Module):
         return y
 
 
+class UsedNet(Net):
+    """Net without the layer nobody uses: at the step where only some ranks use the branch, those
+    ranks have every gradient (and reduce all buckets at once) while the others miss the branch's
+    (and reduce bucket by bucket): both must run the same collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.unused
+
+
 def frozen(step: int) -> bool:
     return step < 2  # the backbone is unfrozen after two steps (fine-tuning)
 
@@ -214,6 +224,30 @@ def test_packing_fresh_gradients_matches_each_gradient():
             assert torch.equal(v, g.detach()), label
 
 
+def test_fill_tells_fresh_gradients_from_buffer_views():
+    """Fresh gradients are told from the buffer's own views by the first gradient alone; a mix of
+    both (a view anywhere: first, inside a run of one shape, a single) still lands every gradient
+    in its own view."""
+    from polyparallel_torch.grads import _Layout
+
+    shapes = [(3, 2), (5,), (3, 2), (), (3, 2)]
+    params = [nn.Parameter(torch.zeros(s)) for s in shapes]
+    (bucket,) = _Layout(params, 1 << 20).buckets
+    in_run = [i for start, end, _ in bucket.runs for i in range(start, end)]
+    torch.manual_seed(0)
+    want = [torch.randn(p.shape) for p in bucket.params]
+    cases = {"all fresh": set(), "all views": set(range(len(want))), "the first a view": {0},
+             "one in a run a view": {in_run[1]}, "a single a view": {bucket.singles[-1]}}
+    for label, as_view in cases.items():
+        bucket.flat.fill_(float("nan"))
+        grads = []
+        for i, (w, v) in enumerate(zip(want, bucket.views)):
+            grads.append(v.copy_(w) if i in as_view else w.clone())
+        _Layout._fill(bucket, grads, all_present=True)
+        for i, (w, v) in enumerate(zip(want, bucket.views)):
+            assert torch.equal(v, w), f"{label}: gradient {i}"
+
+
 # -- bare modules on 2 and 4 processes ----------------------------------------------------------------
 BUCKETS = {"mixed buckets": 0.0001, "single-tensor buckets only": 1e-6, "one flat bucket": None}
 
@@ -227,6 +261,8 @@ def _bare_runs(strategy: pp.Strategy) -> dict:
         model = Net()
         out[label] = train_distributed(s, model, list(model.backbone.parameters()), coord, world)
         out[f"fresh, {label}"] = train_fresh_distributed(s, coord, world)
+        model = UsedNet()
+        out[f"mixed paths, {label}"] = train_distributed(s, model, list(model.backbone.parameters()), coord, world)
     return out
 
 
@@ -235,6 +271,10 @@ def _check_fresh(results: list[dict], world: int, key: str = "runs") -> None:
     for label in BUCKETS:
         check_against_reference([r[key][f"fresh, {label}"] for r in results], reference,
                                 f"{world} ranks, fresh gradients, {MICRO} backward calls per step, {label}")
+        model = UsedNet()
+        check_against_reference([r[key][f"mixed paths, {label}"] for r in results],
+                                train_reference(model, list(model.backbone.parameters()), world),
+                                f"{world} ranks, every gradient on some ranks only, {label}")
 
 
 def _bare_worker(strategy: pp.Strategy) -> dict:
@@ -319,3 +359,42 @@ def test_four_ranks_bare_module_and_tensor_parallel(run):
     model = TPNet()
     reference = train_reference(model, list(model.fc1.parameters()), 2)
     check_against_reference([r["tp"] for r in results], reference, "data=2 x tensor=2")
+
+
+# -- another layout on one rank: refused before any payload, gradients untouched --------------------------
+def _layout_mismatch_worker(strategy: pp.Strategy) -> dict:
+    out = {}
+    torch.manual_seed(strategy.rank)
+    for label, fresh in (("fresh gradients", True), ("gradients in the buffers", False)):
+        s = strategy.replace(timeout=30 + fresh)  # a runtime per scenario: a mismatch breaks the one it used
+        model = UsedNet()
+        if not fresh:  # one agreed sync first: the gradients then live in the buffers (zeroed in place)
+            model(torch.randn(4, 6), True).sum().backward()
+            s.sync_grads(model)
+        if strategy.rank == 1:
+            model.head.bias.requires_grad_(False)  # frozen on this rank only: another bucket layout
+        model.zero_grad(set_to_none=fresh)
+        model(torch.randn(4, 6), True).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        values = {n: None if g is None else g.clone() for n, g in grads.items()}
+        try:
+            s.sync_grads(model)  # every gradient present: the path that starts all buckets at once
+            out[label] = {"error": None}
+        except pp.CollectiveError as exc:
+            out[label] = {"error": str(exc)}
+        # the packing ran while the check travelled, into polyparallel's own buffers only
+        out[label]["same objects"] = all(p.grad is grads[n] for n, p in model.named_parameters())
+        out[label]["same values"] = all(
+            (g is None and values[n] is None) or torch.equal(g, values[n]) for n, g in grads.items())
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_another_layout_on_one_rank_is_refused_before_any_payload(run):
+    strategy = pp.Strategy(data=2, timeout=30)
+    results = run(_layout_mismatch_worker, strategy, 2, strategy, timeout=150)
+    for rank, r in enumerate(results):
+        for label, got in r.items():
+            assert got["error"] is not None and "sync_grads #" in got["error"], (rank, label, got)
+            assert "layout" in got["error"], (rank, label, got)
+            assert got["same objects"] and got["same values"], (rank, label, got)
