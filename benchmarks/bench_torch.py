@@ -1,6 +1,6 @@
 """Ratio benchmarks of the torch runtime against hand-written native code, side by side.
 
-    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check] [--json results.json]
+    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check|grads|fresh] [--json results.json]
 
 (a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
     one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
@@ -11,12 +11,16 @@
     buffer of the same bytes
     (no packing at all: the limit), next to a same-vs-same control (that flat side against
     itself), interleaved, in ``--launches`` separate launches (median and spread of the ratios);
+    also with ``GradPolicy(check=False)``, the main thread's CPU time alone, and the whole step
+    (forward and optimizer step included). ``--only fresh --quick --launches 1`` is a smoke run
+    of this part alone (about a minute);
 (b) a training step through the strategy (shard_data + wrap_model + sync_grads) against a
     hand-written DDP loop on the same model, data and process group, runs interleaved;
 (b2) the same training step on a *bare* module (the non-DDP path: tensor parallel with data > 1,
-    pipelines), where ``sync_grads`` runs its identity check (one 16-byte all-reduce) before the
-    gradient buckets: steps with the check against the same steps with the check replaced by a
-    no-op, interleaved, in ``--launches`` separate launches (median and spread of the ratio);
+    pipelines), where ``sync_grads`` runs its identity check (one 16-byte all-reduce, travelling
+    while the gradients are packed) before the gradient buckets: steps with the check against the
+    same steps with ``GradPolicy(check=False)``, interleaved, in ``--launches`` separate launches
+    (median and spread of the ratio);
 (c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
     model);
 (d) ``import polyparallel`` time (fresh interpreters).
@@ -132,7 +136,7 @@ def _fresh_step_worker(quick: bool) -> dict[str, dict[str, float]]:
         sides = {"ours": lambda: strategy.sync_grads(model), "ours_unchecked": lambda: unchecked.sync_grads(model),
                  "flat": flat_side, "flat_again": flat_side, "hooked_flat": flat_side}
 
-        def step(name: str) -> tuple[float, float]:
+        def step(name: str) -> tuple[float, float, float]:
             # hooked_flat: the flat side with a no-op post-accumulate-grad hook per parameter, the
             # Python cost a DDP-style design (copy into buckets from per-parameter hooks) starts from
             hooks = [p.register_post_accumulate_grad_hook(lambda p: None)
@@ -144,7 +148,9 @@ def _fresh_step_worker(quick: bool) -> dict[str, dict[str, float]]:
             start, cpu = time.perf_counter(), time.thread_time()
             opt.zero_grad()
             elapsed, cpu_time = time.perf_counter() - start, time.thread_time() - cpu
+            forward = time.perf_counter()
             loss = model(x).square().mean()
+            forward = time.perf_counter() - forward
             dist.barrier(group=group)
             start, cpu = time.perf_counter(), time.thread_time()
             loss.backward()
@@ -152,23 +158,31 @@ def _fresh_step_worker(quick: bool) -> dict[str, dict[str, float]]:
             elapsed, cpu_time = elapsed + time.perf_counter() - start, cpu_time + time.thread_time() - cpu
             for hook in hooks:
                 hook.remove()
+            # The optimizer step is the first Python reader of fresh gradients on the flat side (it
+            # wraps each one in a Python object); sync_grads reads them itself and hands the
+            # optimizer views it already holds: the whole step (forward and optimizer step too)
+            # shows where that work went.
+            start = time.perf_counter()
             opt.step()
-            return elapsed, cpu_time
+            return elapsed, cpu_time, elapsed + forward + time.perf_counter() - start
 
         for name in sides:  # warm up (and build the bucket layout)
             step(name)
         times: dict[str, list[float]] = {name: [] for name in sides}
         cpu: dict[str, list[float]] = {name: [] for name in sides}
+        whole: dict[str, list[float]] = {name: [] for name in sides}
         order = list(sides)
         for i in range(steps):  # interleaved, rotating who goes first
             for name in order[i % len(order):] + order[:i % len(order)]:
-                elapsed, cpu_time = step(name)
+                elapsed, cpu_time, whole_step = step(name)
                 times[name].append(elapsed)
                 cpu[name].append(cpu_time)
+                whole[name].append(whole_step)
         # Wall time is the figure; the main thread's CPU time (no waiting, no gloo threads) shows
         # the work each side adds, without the scheduling noise of a shared machine.
         out[label] = {name: statistics.median(v) for name, v in times.items()}
         out[label] |= {f"{name}_cpu": statistics.median(v) for name, v in cpu.items()}
+        out[label] |= {f"{name}_whole": statistics.median(v) for name, v in whole.items()}
     return out
 
 
@@ -198,9 +212,12 @@ def fresh_grads(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]],
         hooked = sorted(r["flat"] / r["hooked_flat"] for r in runs)
         cpu_ratios = sorted(r["flat_cpu"] / r["ours_cpu"] for r in runs)
         control = sorted(r["flat"] / r["flat_again"] for r in runs)
+        whole = sorted(r["flat_whole"] / r["ours_whole"] for r in runs)
+        whole_control = sorted(r["flat_whole"] / r["flat_again_whole"] for r in runs)
         figures[f"fresh grads {label}"] = {"ratios": ours, "control_ratios": control,
                                            "unchecked_ratios": ours_unchecked, "hooked_flat_ratios": hooked,
-                                           "cpu_ratios": cpu_ratios,
+                                           "cpu_ratios": cpu_ratios, "whole_step_ratios": whole,
+                                           "whole_step_control_ratios": whole_control,
                                            "ours_s": statistics.median(r["ours"] for r in runs),
                                            "flat_s": statistics.median(r["flat"] for r in runs)}
         rows.append((f"zero_grad + backward + sync_grads, fresh .grad, {label} ({launches} launches)",
@@ -215,6 +232,9 @@ def fresh_grads(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]],
                      f"{statistics.median(hooked):.3f}x (min {hooked[0]:.3f}, max {hooked[-1]:.3f})"))
         rows.append(("  control: flat vs the same flat", "-",
                      f"{statistics.median(control):.3f}x (min {control[0]:.3f}, max {control[-1]:.3f})"))
+        rows.append(("  whole step (+ forward + optimizer step), control", "-",
+                     f"{statistics.median(whole):.3f}x (min {whole[0]:.3f}, max {whole[-1]:.3f}); control "
+                     f"{statistics.median(whole_control):.3f}x"))
     return rows, figures
 
 
@@ -285,29 +305,25 @@ def _check_cost_worker(quick: bool) -> dict[str, float]:
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def step() -> None:
+    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))  # the same runtime and groups
+
+    def step(s: pp.Strategy) -> None:
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        strategy.sync_grads(model)
+        s.sync_grads(model)
         opt.step()
-
-    def unchecked(operation: str, axis: str, detail: str = "", refusal: str | None = None) -> str:
-        return operation  # what sync_grads would cost without its identity check
 
     check_alone: list[float] = []
     times: dict[str, list[float]] = {"checked": [], "unchecked": []}
     steps = 20 if quick else 60
     for i in range(steps):
-        pair = [("checked", None), ("unchecked", unchecked)]
-        for name, replacement in (pair if i % 2 else pair[::-1]):  # alternate who goes first
-            if replacement is not None:
-                rt.check = replacement  # the same on both ranks: they run the same collectives
+        pair = [("checked", strategy), ("unchecked", unchecked)]
+        for name, s in (pair if i % 2 else pair[::-1]):  # alternate who goes first
             dist.barrier()
             start = time.perf_counter()
-            step()
+            step(s)
             times[name].append(time.perf_counter() - start)
-            rt.__dict__.pop("check", None)
         dist.barrier()
         start = time.perf_counter()
         rt.check("bench", "data")
@@ -353,14 +369,18 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=None,
                         help="launches of the identity-check (b2) and fresh-gradient (a2) benchmarks; "
                              "default 10, 3 with --quick")
-    parser.add_argument("--only", choices=["check", "grads"],
-                        help="run only the identity-check benchmark (b2), or only the sync_grads ones (a, a2)")
+    parser.add_argument("--only", choices=["check", "grads", "fresh"],
+                        help="run only the identity-check benchmark (b2), only the sync_grads ones (a, a2), "
+                             "or only the fresh-gradient step (a2)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     strategy = pp.Strategy(data=2, timeout=120)
     rows: list[tuple[str, str, str]] = []
     figures: dict[str, Any] = {}
     launches = args.launches or (3 if args.quick else 10)
+    if args.only == "fresh":
+        _print(*fresh_grads(args.quick, launches), args.json)
+        return
     if args.only == "grads":
         rows, figures = fresh_grads(args.quick, launches)
         grad_rows, grad_figures = grad_sync(args.quick)

@@ -25,7 +25,15 @@ wrap) is reduced here, with DDP's semantics for parameters without a gradient:
   with no Python work per tensor: each bucket is ordered by shape, and each run of same-shape
   gradients is copied by one ``torch.stack`` into its block of the buffer (the rest by one
   ``_foreach_copy_``). For 2,000 small tensors this costs ~0.1 us per tensor, against ~0.4 us for
-  ``_foreach_copy_`` and ~1.2 us for ``torch.cat`` of reshaped tensors.
+  ``_foreach_copy_`` and ~1.2 us for ``torch.cat`` of reshaped tensors. Fresh tensors are told
+  from the buffer's own views by the first gradient of a bucket alone (a view among fresh ones
+  makes ``torch.stack`` refuse the overlap, and the bucket is then copied tensor by tensor).
+- When every gradient is present on this rank, all buckets' all-reduces start at once and the
+  ``.grad`` re-pointing (and the release of the fresh tensors) runs while they travel. A rank
+  missing some gradient reduces bucket by bucket instead (it needs the presence flags first);
+  both run the same collectives in the same order: the flags' own all-reduce if any, then every
+  bucket (none is skipped when some rank has every gradient). If a collective fails, the runtime
+  is broken (restart the processes) and the ``.grad`` values are undefined.
 - Why not DDP's design (per-parameter post-accumulate-grad hooks copying into buckets during
   backward, each bucket's all-reduce started as it fills): a Python hook costs ~1 us per parameter
   per backward even when it does nothing (``benchmarks/bench_torch.py --only grads``, row "flat + a
@@ -34,9 +42,15 @@ wrap) is reduced here, with DDP's semantics for parameters without a gradient:
   call still to come for accumulation) would start a collective the peers do not start, which the
   rule above (the same collectives whatever the gradients) and the identity check before any
   payload forbid. DDP itself needs ``find_unused_parameters`` and ``no_sync`` for those cases.
-- Before any payload, one identity check (:meth:`TorchRuntime.check`, one 16-byte all-reduce)
-  makes sure every rank of the data group is at the same ``sync_grads`` with the same layout and
-  op; otherwise every rank raises naming both sides. ``GradPolicy(check=False)`` skips it.
+- Before any payload, one identity check (one 16-byte all-reduce) makes sure every rank of the
+  data group is at the same ``sync_grads`` with the same layout and op; otherwise every rank
+  raises naming both sides, with every ``.grad`` as it was. It travels while this rank reads and
+  packs its gradients (:meth:`TorchRuntime.start_check`: local work into polyparallel's own
+  buffers, no ``.grad`` changed, no other collective started), so its latency and a late peer's
+  lateness hide behind that work instead of adding to it. The payload never starts before the
+  check has answered: merging the two into one collective would pair a payload with another
+  operation's check on a rank that is elsewhere (gloo aborts the process on such a size
+  mismatch, NCCL can hang). ``GradPolicy(check=False)`` skips it.
 
 A list of gradient tensors is packed per call; it cannot say which parameter a missing gradient
 belongs to, so a ``None`` in it is refused (pass the module instead); the peers learn of the
