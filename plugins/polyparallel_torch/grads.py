@@ -202,11 +202,11 @@ class _Layout:
         # payload, and the check's latency (and the other ranks' lateness) hides behind the packing.
         pending = rt.start_check(OPERATION, "data", detail) if check else False
         mines = [bucket.mine(grads) for bucket in self.buckets]
-        for bucket, mine in zip(self.buckets, mines):
-            if bucket.flat is not None:
-                self._fill(bucket, mine, all_present)
-                if bucket.tail is not None:
-                    self._flags_into(bucket.tail, grads, all_present)
+        in_place = [bucket.flat is not None and self._fill(bucket, mine, all_present)
+                    for bucket, mine in zip(self.buckets, mines)]
+        for bucket in self.buckets:
+            if bucket.tail is not None:
+                self._flags_into(bucket.tail, grads, all_present)
         if self.presence is not None:
             self._flags_into(self.presence, grads, all_present)
         with rt.operation(OPERATION, "data", detail, check=pending) as label:
@@ -216,7 +216,7 @@ class _Layout:
                 # Every parameter has a gradient here, so on some rank: nothing is skipped and nobody
                 # needs the presence flags' result (the peers run the same collectives, see below).
                 del grads
-                self._reduce_present(rt, op, mines, label)
+                self._reduce_present(rt, op, mines, in_place, label)
                 return
             present: list[bool] | None = None
             if self.presence is not None:  # no flat bucket to carry the flags: one tiny all-reduce
@@ -233,7 +233,8 @@ class _Layout:
                     present = [f > 0 for f in bucket.tail.tolist()]
                 self._assign(bucket, mine, present)
 
-    def _reduce_present(self, rt: TorchRuntime, op: str, mines: list[list[Any]], label: str) -> None:
+    def _reduce_present(self, rt: TorchRuntime, op: str, mines: list[list[Any]], in_place: list[bool],
+                        label: str) -> None:
         """Every gradient present on this rank: start every bucket's all-reduce at once, re-point
         ``.grad`` to the buffers' views and release the fresh tensors while they travel, then wait.
         The same collectives, in the same order, as the bucket-by-bucket path a rank missing some
@@ -244,8 +245,8 @@ class _Layout:
         with rt.collective(OPERATION, "data", label):
             works = [dist.all_reduce(t, op=dist.ReduceOp.MAX if t is self.presence else dist.ReduceOp.SUM,
                                      group=group, async_op=True) for t in tensors]
-        for bucket in self.buckets:
-            if bucket.flat is not None:
+        for bucket, already in zip(self.buckets, in_place):
+            if bucket.flat is not None and not already:
                 _set_grads(bucket.params, bucket.views)
         mines.clear()  # the fresh gradient tensors are freed here, while the all-reduces run
         for work in works:
@@ -272,25 +273,26 @@ class _Layout:
         param.grad = _as_grad_of(param, zeros)
 
     @staticmethod
-    def _fill(bucket: _Bucket, grads: list[Any], all_present: bool) -> None:
+    def _fill(bucket: _Bucket, grads: list[Any], all_present: bool) -> bool:
         """Put this rank's gradients into the bucket's buffer (local work only: the buffer is not
-        any ``.grad`` that this changes)."""
+        any ``.grad`` that this changes); true if they already were its views."""
         views = bucket.views
         if all_present or all(map(operator.is_not, grads, repeat(None))):
             if grads[0] is views[0] and all(map(operator.is_, grads, views)):
-                return  # gradients already live in the buffer (zeroed in place between steps)
+                return True  # gradients already live in the buffer (zeroed in place between steps)
             # Fresh gradient tensors (zero_grad(set_to_none=True)), told by the first one alone: no
             # pass over the others, whose cache lines backward has evicted. Should some of them be
             # views of the buffer after all, torch.stack refuses the overlap and pack copies tensor
             # by tensor (a view onto itself is a no-op): the same result.
             bucket.pack(grads)
-            return
+            return False
         for g, v in zip(grads, views):
             if g is None:
                 v.zero_()  # an unused parameter contributes zeros, as with DDP (v is not its .grad)
         fresh = [(_local(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
         if fresh:
             torch._foreach_copy_([v for _, v in fresh], [g for g, _ in fresh])
+        return False
 
     @staticmethod
     def _assign(bucket: _Bucket, grads: list[Any], present: list[bool] | None) -> None:
