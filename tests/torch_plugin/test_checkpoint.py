@@ -341,3 +341,16 @@ def test_objects_are_refused_as_extras_and_names_are_checked(tmp_path, unstarted
     with pytest.raises(pp.CheckpointError, match="exists and is not a polyparallel checkpoint"):
         unstarted_world.save(str(tmp_path / "data"), model=_mlp())
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_inspect_lists_the_tensors_and_shapes_of_a_torch_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from polyparallel import cli as cli_module
+
+    path = _saved(tmp_path)
+    result = CliRunner().invoke(cli_module.cli, ["checkpoint", "inspect", path], prog_name="polyparallel")
+    assert result.exit_code == 0, result.output
+    assert "progress: epoch 0, 1 batch(es) of it consumed, global step 1; global batch 8" in result.output
+    assert "model.0.weight  [16, 8]  float32" in result.output
+    assert "tensors (4):" in result.output  # the model's four (SGD without momentum keeps no state)
