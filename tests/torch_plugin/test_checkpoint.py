@@ -391,3 +391,21 @@ def test_a_killed_rank_restarts_from_the_last_committed_checkpoint(tmp_path):
     reference = example.train(pp.Strategy(data=1, batch_size=16), epochs=2)
     for name, value in reference.items():
         torch.testing.assert_close(torch.tensor(result[name]), torch.tensor(value), rtol=1e-5, atol=1e-5)
+
+
+def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypatch):
+    # The elastic test above fails without it (restarted workers read the old attempt's gloo
+    # addresses); this checks that the setting does not outlive `polyparallel launch`.
+    from torch.distributed import run as torchrun
+
+    from polyparallel_torch.launch import launch_script
+
+    seen = []
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(torchrun, "main", lambda argv: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2}) == 0
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 0}) == 0
+    assert seen == ["1", None] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # the user's choice is kept
+    launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2})
+    assert seen[-1] == "0" and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
