@@ -206,7 +206,9 @@ def _runtime_if_concrete(strategy: pp.Strategy, session: pp.Session) -> Any:
 
 def _checkpoint_objects(state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
     """(model, optimizer, loader) when this plugin owns them: a ``Model`` (which holds its own
-    optimizer state) or an ``nnx.Module`` (optionally an ``nnx.Optimizer``), a ``ShardedArrays``."""
+    optimizer state) or an ``nnx.Module`` (optionally an ``nnx.Optimizer``), a ``ShardedArrays``.
+    Other optimizers are refused with a ``CheckpointError`` (the plugin manager passes
+    polyparallel errors through unwrapped)."""
     if "flax" not in sys.modules:
         return None
     from flax import nnx
@@ -219,12 +221,12 @@ def _checkpoint_objects(state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
         return None
     if isinstance(model, Model):
         if optimizer is not None:
-            raise TypeError("A polyparallel_jax.Model holds its optimizer state: save/load it with model= only. "
+            raise pp.CheckpointError("A polyparallel_jax.Model holds its optimizer state: save/load it with model= only. "
                             f"Received optimizer={type(optimizer).__name__}.")
         return model, None, loader
     if isinstance(model, nnx.Module) and not isinstance(model, nnx.Optimizer):
         if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
-            raise TypeError("With an nnx.Module, optimizer= must be a flax.nnx.Optimizer (its state is restored in "
+            raise pp.CheckpointError("With an nnx.Module, optimizer= must be a flax.nnx.Optimizer (its state is restored in "
                             f"place). Received: {type(optimizer).__name__}.")
         return model, optimizer, loader
     return None
