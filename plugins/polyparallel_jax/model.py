@@ -17,6 +17,10 @@ the sharded parameters. Metrics and losses are reduced count-weighted by
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
 
+``save``/``load`` write and read orbax-checkpoint directories (:mod:`polyparallel_jax.saving`),
+resharded to the reading mesh; ``fit(checkpoint=, checkpoint_every=, resume=)`` checkpoints and
+resumes mid-epoch exactly.
+
 The module passed in keeps its own configuration: the train/eval mode and the BatchNorm
 ``axis_name`` a step needs are set only while that step's graph is taken (``nnx.split``; the
 compiled step keeps them), then the module's own values are put back, so the user's
@@ -327,7 +331,7 @@ class Model:
                 if every and data.global_step % every == 0 and i + 1 < len(data):
                     self._opt_state = opt_state
                     self._store(params, stats, rest)
-                    self._checkpoint(checkpoint, data, results)
+                    saving.record_fit(self, checkpoint, data, results)
             host = jax.device_get(results)
             epoch_values = _weighted(host)
             bar.update(len(data), epoch_values, final=True)
@@ -338,22 +342,9 @@ class Model:
             if validation_data is not None:
                 for name, value in self.evaluate(*validation_data, batch_size=batch_size).items():
                     self.history.setdefault(f"val_{name}", []).append(value)
-            self._checkpoint(checkpoint, data, [])
+            saving.record_fit(self, checkpoint, data, [])
         nnx.update(self.module, params)  # in case epochs == 0 left nothing stored
         return self.history
-
-    def _checkpoint(self, directory: str | None, data: ShardedArrays, results: list[Any]) -> None:
-        """Record ``fit``'s position (the data's, and the partial epoch's metric sums so that a
-        resumed epoch's history is an uninterrupted one's); save it into ``directory`` if given."""
-        import jax
-
-        from . import saving
-
-        partial = [({k: float(v) for k, v in m.items()}, int(c)) for m, c in jax.device_get(results)]
-        self._fit_info = {"loader": data.state_dict(), "history": {k: list(v) for k, v in self.history.items()},
-                          "partial": partial}
-        if directory is not None:
-            saving.fit_checkpoint(self, directory, data.global_step)
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 32, strategy: pp.Strategy | None = None,
                  verbose: int = 0) -> dict[str, float]:

@@ -30,7 +30,7 @@ from . import checkpoint as ck
 if TYPE_CHECKING:
     from .model import Model
 
-__all__ = ["checkpoint_every", "load_model", "load_module", "save_model", "save_module", "start_position"]
+__all__ = ["checkpoint_every", "fit_checkpoint", "load_model", "load_module", "record_fit", "save_model", "save_module", "start_position"]
 
 MODULE_SECTIONS = ("module/params", "module/batch_stats", "module/other")
 #: What fit(checkpoint=DIR) names its checkpoints in DIR (found again by polyparallel.latest_checkpoint).
@@ -87,11 +87,25 @@ def _metadata(strategy: pp.Strategy | None, framework: str, loader: Mapping[str,
         core.check_value(value, f"the extra {name!r}")
     value, tensors = core.split(dict(extras), _is_array, "extras")
     loader = dict(loader) if loader is not None else None
-    metadata.update(loader=loader, extras=value, **more,
+    progress = None if loader is None else {"epoch": loader["epoch"], "step": loader["batches"],
+                                            "global_step": loader["global_step"]}
+    # The torch runtime's fields (progress, contents, tensors) so that `polyparallel checkpoint
+    # inspect` reads both alike; epoch/step/global_batch also at the top level, as the issue asked.
+    metadata.update(loader=loader, extras=value, progress=progress, tensors="orbax-checkpoint", **more,
                     epoch=loader["epoch"] if loader else None, step=loader["batches"] if loader else None,
                     global_step=loader["global_step"] if loader else None,
                     global_batch=loader["global_batch"] if loader else None)
     return metadata, {_extra_name(k): v for k, v in tensors.items()}
+
+
+def _describe(metadata: dict[str, Any], arrays: Mapping[str, Any], loader: bool) -> dict[str, Any]:
+    """Add what the checkpoint holds: ``contents`` (as the torch runtime writes it) and
+    ``arrays`` (every leaf's name, shape and dtype, listed without reading orbax)."""
+    sections = {name.split("/", 1)[0] for name in arrays}
+    metadata["contents"] = {"model": "module" in sections, "optimizer": "optimizer" in sections, "loader": loader,
+                            "extras": sorted(metadata.get("extras") or {})}
+    metadata["arrays"] = [{"name": name, "shape": list(a.shape), "dtype": str(a.dtype)} for name, a in sorted(arrays.items())]
+    return metadata
 
 
 def _result(path: str, metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +147,8 @@ def save_model(model: Model, path: str, extras: Mapping[str, Any], framework: st
     progress = loader.state_dict() if loader is not None else info.get("loader")
     metadata, extra_arrays = _metadata(strategy, framework, progress, extras,
                                        fit={"history": info.get("history", {}), "partial": info.get("partial", [])})
-    return ck.write(path, {**_arrays(sections), **extra_arrays}, metadata)
+    arrays = {**_arrays(sections), **extra_arrays}
+    return ck.write(path, arrays, _describe(metadata, arrays, progress is not None))
 
 
 def load_model(model: Model, path: str, strategy: pp.Strategy | None, loader: Any = None) -> dict[str, Any]:
@@ -187,10 +202,10 @@ def load_msgpack(model: Model, path: str) -> dict[str, Any]:
     opt_state = None
     if saved:
         params = nnx.state(model.module, nnx.Param)
-        structure = jax.tree.structure(jax.eval_shape(model.optimizer.init, params))
-        if structure.num_leaves != len(saved):
+        leaves, structure = jax.tree.flatten(jax.eval_shape(model.optimizer.init, params))
+        if len(leaves) != len(saved):
             raise pp.CheckpointError(f"The checkpoint's optimizer state has {len(saved)} arrays; this optimizer has "
-                                     f"{structure.num_leaves}. Load it into a Model with the same optimizer.")
+                                     f"{len(leaves)}. Load it into a Model with the same optimizer.")
         opt_state = jax.tree.unflatten(structure, [np.asarray(saved[str(i)]) for i in range(len(saved))])
     nnx.update(model.module, state)
     model._placed, model._steps, model._local_stats, model._opt_state = None, {}, None, None
@@ -210,7 +225,8 @@ def save_module(strategy: pp.Strategy, path: str, module: Any, optimizer: Any, l
     if optimizer is not None:
         sections["optimizer"] = nnx.state(optimizer)
     metadata, extra_arrays = _metadata(strategy, framework, loader.state_dict() if loader is not None else None, extras)
-    return ck.write(path, {**_arrays(sections), **extra_arrays}, metadata)
+    arrays = {**_arrays(sections), **extra_arrays}
+    return ck.write(path, arrays, _describe(metadata, arrays, loader is not None))
 
 
 def load_module(path: str, module: Any, optimizer: Any, loader: Any) -> dict[str, Any]:
@@ -247,6 +263,18 @@ def checkpoint_every(checkpoint: str | None, every: int | None) -> int | None:
     if checkpoint is None:
         raise ValueError("checkpoint_every= saves into checkpoint=DIR; pass checkpoint= as well.")
     return every
+
+
+def record_fit(model: Model, directory: str | None, data: Any, results: list[Any]) -> None:
+    """Record ``fit``'s position (the data's, and the partial epoch's metric sums so that a
+    resumed epoch's history is an uninterrupted one's); save it into ``directory`` if given."""
+    import jax
+
+    partial = [({k: float(v) for k, v in m.items()}, int(c)) for m, c in jax.device_get(results)]
+    model._fit_info = {"loader": data.state_dict(), "history": {k: list(v) for k, v in model.history.items()},
+                       "partial": partial}
+    if directory is not None:
+        fit_checkpoint(model, directory, data.global_step)
 
 
 def fit_checkpoint(model: Model, directory: str, global_step: int) -> None:

@@ -222,3 +222,9 @@ def test_metadata_is_json_the_cli_can_show(saved):
         meta = json.load(f)
     assert meta["format"] == "polyparallel-checkpoint" and meta["loader"]["dataset_len"] == 200
     assert meta["fit"]["history"]["loss"] and meta["files"]
+    assert meta["progress"] == {"epoch": 1, "step": 0, "global_step": BATCHES}
+    assert meta["contents"] == {"model": True, "optimizer": True, "loader": True, "extras": []}
+    arrays = {a["name"]: (a["shape"], a["dtype"]) for a in meta["arrays"]}
+    assert arrays["module/params/l1/kernel"] == ([12, 16], "float32")
+    assert arrays["optimizer/0/mu/l1/kernel"] == ([12, 16], "float32")
+    assert arrays["module/batch_stats/bn/mean"] == ([16], "float32")
