@@ -17,6 +17,9 @@ __all__ = ["describe", "render"]
 
 
 def _tensors(path: str, metadata: dict[str, Any]) -> list[dict[str, Any]] | str:
+    if isinstance(metadata.get("arrays"), list):
+        # A runtime that lists its arrays in the marker (JAX/orbax): no framework needed to read it.
+        return [dict(a) for a in metadata["arrays"] if isinstance(a, dict)]
     if metadata.get("tensors") != "torch.distributed.checkpoint":
         return f"tensors are stored by the {metadata.get('runtime')!r} runtime; not listed here"
     try:

@@ -64,3 +64,14 @@ def test_inspect_reports_a_truncated_file(tmp_path):
         f.write(b"x")
     result = _inspect(path)
     assert result.exit_code == 1 and "PROBLEM" in result.output and "weights.bin has 1 bytes" in result.output
+
+
+def test_inspect_lists_the_arrays_a_runtime_recorded_in_its_marker(tmp_path):
+    # The JAX runtime writes name/shape/dtype of every array into the marker (orbax's own index
+    # needs JAX to read): inspect lists them without importing any framework.
+    path = str(tmp_path / "jax-ckpt")
+    _write(path, runtime="jax", tensors="orbax-checkpoint",
+           arrays=[{"name": "params.dense.kernel", "shape": [4, 8], "dtype": "float32"}])
+    as_json = json.loads(_inspect(path, "--json").output)
+    assert as_json["tensors"] == [{"name": "params.dense.kernel", "shape": [4, 8], "dtype": "float32"}]
+    assert "params.dense.kernel" in _inspect(path).output
