@@ -292,8 +292,8 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
 
 @cli.command("bench-comm")
 @click.option("--world", type=int, default=2, show_default=True, help="processes to measure on")
-@click.option("--sizes", default="65536,1048576,8388608", show_default=True, help="message sizes in bytes, comma-separated")
-@click.option("--iters", type=int, default=10, show_default=True, help="timed repetitions per size")
+@click.option("--sizes", default="4096,262144,4194304", show_default=True, help="message sizes in bytes, comma-separated")
+@click.option("--iters", type=int, default=20, show_default=True, help="timed repetitions per size")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="seconds before the run is stopped")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def bench_comm(world: int, sizes: str, iters: int, timeout: float, as_json: bool) -> None:

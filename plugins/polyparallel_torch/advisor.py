@@ -306,11 +306,13 @@ def bench_rank(strategy: pp.Strategy, sizes: list[int], iters: int) -> dict[str,
                 else:
                     dist.all_gather(parts, x[: size // 4 // n], group=group)
             once()  # warm-up (connections, buffers)
-            dist.barrier(group=group)
-            start = time.perf_counter()
+            samples = []
             for _ in range(iters):
+                dist.barrier(group=group)  # every rank starts together: the time is the collective's
+                start = time.perf_counter()
                 once()
-            elapsed = (time.perf_counter() - start) / iters
+                samples.append(time.perf_counter() - start)
+            elapsed = statistics.median(samples)  # robust to a rank descheduled by other load
             factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
             table[op][str(size)] = {"time_s": elapsed, "busbw": size * factor / elapsed}
     a, b = torch.randn(256, 256), torch.randn(256, 256)
