@@ -60,7 +60,7 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
         raise click.ClickException("no installed runtime registers a topology advisor; install one: "
                                    "pip install 'polyparallel[torch]'")
     profiles: list[tuple[ModelProfile, Advisor]] = []
-    for name, advisor in sorted(found.items()):
+    for _, advisor in sorted(found.items()):
         try:
             profile = advisor.profile(model, batch, seq_len)
         except (ValueError, TypeError, ImportError, PolyparallelError) as exc:

@@ -300,11 +300,8 @@ def bench_rank(strategy: pp.Strategy, sizes: list[int], iters: int) -> dict[str,
         x = torch.ones(size // 4)
         parts = [torch.empty(size // 4 // n) for _ in range(n)]
         for op in ("all_reduce", "all_gather"):
-            def once() -> None:
-                if op == "all_reduce":
-                    dist.all_reduce(x, group=group)
-                else:
-                    dist.all_gather(parts, x[: size // 4 // n], group=group)
+            once = (lambda x=x: dist.all_reduce(x, group=group)) if op == "all_reduce" else (
+                lambda x=x, parts=parts: dist.all_gather(parts, x[: len(parts[0])], group=group))
             once()  # warm-up (connections, buffers)
             samples = []
             for _ in range(iters):
