@@ -45,9 +45,19 @@ def _runtime_check(pm: PluginManager, runtime: str) -> Callable[[Topology, int],
 
 def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq_len: int | None,
                stages: Sequence[int], fixed: Mapping[str, int], optimizer: str, measure: int, steps: int,
-               timeout: float, as_json: bool) -> None:
+               timeout: float, as_json: bool, runtime: str | None = None) -> None:
     """Profile ``model``, estimate every topology of ``world`` ranks, print them ranked (and the
-    refused ones with their reasons); with ``measure`` > 0 run the top ones for real."""
+    refused ones with their reasons); with ``measure`` > 0 run the top ones for real.
+
+    :param fixed: axis sizes the user pinned (``--tensor 2``).
+    :param runtime: only this runtime's advisor (``--runtime``).
+    """
+    pinned = 1
+    for size in fixed.values():
+        pinned *= size
+    if world % pinned:
+        raise click.BadParameter(f"the pinned axes {dict(fixed)} need a multiple of {pinned} ranks; --world is "
+                                 f"{world}. Change --world or the axis sizes.")
     if batch is None or batch < 1:
         raise click.BadParameter(f"--model needs the global batch size: --batch B (a positive int). Received: {batch}.",
                                  param_hint="'--batch'")
@@ -59,6 +69,11 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
     if not found:
         raise click.ClickException("no installed runtime registers a topology advisor; install one: "
                                    "pip install 'polyparallel[torch]'")
+    if runtime is not None:
+        if runtime not in found:
+            raise click.BadParameter(f"{runtime!r} is not an installed runtime with a topology advisor; those "
+                                     f"are: {', '.join(sorted(found))}.", param_hint="'--runtime'")
+        found = {runtime: found[runtime]}
     profiles: list[tuple[ModelProfile, Advisor]] = []
     for _, advisor in sorted(found.items()):
         try:

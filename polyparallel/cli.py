@@ -69,7 +69,7 @@ def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None
             raise click.BadParameter(f"expected a positive --world and axis sizes. Received: world={world_size}, "
                                      f"{fixed}.")
         plan_model(get_plugin_manager(), model, world_size, batch_size, seq_len, [zero] if zero is not None
-                   else [0, 1, 2, 3], fixed, optimizer, measure, steps, timeout, as_json)
+                   else [0, 1, 2, 3], fixed, optimizer, measure, steps, timeout, as_json, runtime)
         return
     zero = zero or 0
     try:

@@ -98,6 +98,8 @@ def test_text_output_and_fixed_axes_and_optimizer(invoke):
     (["--model", "any:thing", "--world", "4", "--batch", "8", "--measure", "-1"], "--measure must be >= 0"),
     (["--model", "any:thing", "--world", "4", "--batch", "8", "--zero", "5"], "0<=x<=3"),
     (["--model", "any:thing", "--world", "4", "--batch", "8", "--optimizer", "lion"], "'lion' is not one of"),
+    (["--model", "any:thing", "--world", "4", "--batch", "8", "--tensor", "3"], "need a multiple of 3 ranks"),
+    (["--model", "any:thing", "--world", "4", "--batch", "8", "--runtime", "jax"], "'jax' is not an installed runtime"),
 ])
 def test_bad_plan_input_is_refused_before_anything_runs(invoke, args, message):
     result = invoke("plan", *args)
