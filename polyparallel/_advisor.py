@@ -272,11 +272,14 @@ def estimate(profile: ModelProfile, topology: Topology, stage: int, batch: int, 
                 times["data"] = comm["data"] / links.allreduce_busbw + math.ceil(P / BUCKET_BYTES) * links.latency
                 if stage == 1:
                     comm["data"] += f * P
-                    times["data"] += f * P / links.allgather_busbw + len(sizes) * links.latency
+                    # the owners broadcast their updated parameters, issued asynchronously: the
+                    # latencies overlap, about one per owner
+                    times["data"] += f * P / links.allgather_busbw + d * links.latency
             else:
                 gathers = 2 if stage == 3 and (p == 1 or profile.traits.regather_in_pipeline) else 1
                 comm["data"] = (gathers + 1) * f * P
-                times["data"] = comm["data"] / links.allgather_busbw + (gathers + 1) * len(layers) * links.latency
+                units = sum(1 for x in layers if x.params)  # one collective per unit holding parameters
+                times["data"] = comm["data"] / links.allgather_busbw + (gathers + 1) * units * links.latency
         if t > 1:
             comm["tensor"] = 2 * (t - 1) / t * local * sum(x.tensor_allreduce_bytes for x in layers)
             times["tensor"] = (comm["tensor"] / links.allreduce_busbw

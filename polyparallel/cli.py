@@ -39,7 +39,8 @@ def cli() -> None:
 @click.option("--world", "world_size", type=int, required=True, help="number of ranks")
 @_axis_options
 @click.option("--runtime", default=None, help="also check the topology against this runtime or adapter "
-                                               "(its declared capabilities), as launch does")
+                                               "(its declared capabilities), as launch does; with --model, "
+                                               "advise for this runtime only")
 @click.option("--batch-size", "--batch", "batch_size", type=int, default=None,
               help="also check that this global batch divides over the data axis (with --model: the batch estimated)")
 @click.option("--zero", type=click.IntRange(0, 3), default=None,

@@ -178,6 +178,10 @@ class TorchAdvisor:
             layers.append(LayerProfile(name or root, params, s["act"], s["act_t"], s["out"],
                                        float(sum(flops.get(key, {}).values())),
                                        any(layer_of.get(p) == index for p in styles), s["ar"], s["n"]))
+        own = tuple(p.numel() * p.element_size() for p in net.parameters(recurse=False))
+        if own and children[0][0]:  # with no children, the root is the one layer and holds them already
+            # parameters held by the root itself (not a Sequential: no pipeline cuts to keep aligned)
+            layers.append(LayerProfile(f"{root} (own parameters)", tuple((b, False) for b in own)))
         cuts: dict[int, tuple[int, ...]] = {}
         microbatches: dict[int, int] = {}
         if isinstance(net, torch.nn.Sequential):

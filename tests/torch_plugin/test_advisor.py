@@ -133,3 +133,46 @@ def test_cli_shows_refused_topologies_with_the_runtime_reason(tmp_path):
     bad = cli("plan", "--model", "examples.advisor_models:nothing", "--world", "2", "--batch", "2", cache=tmp_path,
               timeout=120)
     assert bad.returncode != 0 and "has no callable 'nothing'" in bad.stderr
+
+
+RUNS_4 = [(pp.Topology(data=2, tensor=2), 2), (pp.Topology(data=2, pipeline=2), 3), (pp.Topology(data=4), 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_memory_estimate_on_four_ranks():
+    """FSDP2 over data on the 2-D mesh after the tensor plan, pipeline stages sharded over data,
+    and ZeroRedundancyOptimizer's sorted-greedy partition of whole parameters over 4 ranks."""
+    advisor, batch, seq = TorchAdvisor(), 8, 16
+    profile = advisor.profile(TRANSFORMER, batch, seq)
+    assert profile is not None
+    measured = advisor.measure(TRANSFORMER, batch, seq, RUNS_4, steps=1, optimizer="adam", timeout=300)
+    for (topology, stage), got in zip(RUNS_4, measured):
+        est = estimate(profile, topology, stage, batch, load_links(4))
+        for part in ("parameters", "gradients", "optimizer"):
+            real = got["memory_max"][part]
+            assert real > 0 and abs(est.memory[part] - real) <= 0.10 * real, (topology, stage, part, est.memory, got)
+
+
+class Scaled(torch.nn.Module):
+    """A root that holds a parameter of its own beside its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def scaled() -> dict:
+    return {"model": Scaled(), "inputs": lambda batch, seq: (torch.randn(batch, 8), torch.randn(batch, 8))}
+
+
+def test_parameters_of_the_root_itself_are_counted():
+    profile = TorchAdvisor().profile(f"{__name__}:scaled", 4, None)
+    assert profile is not None
+    assert sum(layer.param_bytes() for layer in profile.layers) == (8 * 8 + 8 + 8) * 4
+    assert "pipeline=2 needs an nn.Sequential" in profile.refuse(pp.Topology(pipeline=2), 0)
