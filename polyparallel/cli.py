@@ -1,4 +1,4 @@
-"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``."""
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``, ``bench-comm``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from typing import Any
 import click
 
 from . import hookspecs
+from ._advisor import OPTIMIZER_STATES
+from ._advisor_cli import bench_comm as _bench_comm
+from ._advisor_cli import plan_model
 from ._errors import PolyparallelError
 from ._manager import get_plugin_manager
 from ._routing import check_batch
@@ -36,13 +39,40 @@ def cli() -> None:
 @click.option("--world", "world_size", type=int, required=True, help="number of ranks")
 @_axis_options
 @click.option("--runtime", default=None, help="also check the topology against this runtime or adapter "
-                                               "(its declared capabilities), as launch does")
-@click.option("--batch-size", type=int, default=None, help="also check that this global batch divides over the data axis")
-@click.option("--zero", type=int, default=0, show_default=True,
-              help="sharding stage over the data axis (0-3); with --runtime, checked against what it runs")
+                                               "(its declared capabilities), as launch does; with --model, "
+                                               "advise for this runtime only")
+@click.option("--batch-size", "--batch", "batch_size", type=int, default=None,
+              help="also check that this global batch divides over the data axis (with --model: the batch estimated)")
+@click.option("--zero", type=click.IntRange(0, 3), default=None,
+              help="sharding stage over the data axis (0-3; default 0); with --runtime, checked against what it runs; "
+                   "with --model, only this stage is advised [default with --model: all]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
-def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | None, zero: int, **sizes: int) -> None:
-    """Show the rank grid, the groups of every axis and the rank roles."""
+@click.option("--model", default=None, metavar="MODULE:FACTORY",
+              help="advise a topology for this model: estimate memory, communication and step time of every "
+                   "topology of --world ranks the installed runtimes accept (README: Choosing a topology)")
+@click.option("--seq-len", type=int, default=None, help="with --model: sequence length handed to the model's inputs")
+@click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam", show_default=True,
+              help="with --model: optimizer whose states are estimated (adam: 2 per parameter, momentum: 1, sgd: 0)")
+@click.option("--measure", type=int, default=0, show_default=True,
+              help="with --model: run the K best candidates for real and print measured vs estimated")
+@click.option("--steps", type=int, default=5, show_default=True, help="with --measure: timed steps per candidate")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="with --measure: seconds per candidate")
+@click.pass_context
+def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None, batch_size: int | None,
+         zero: int | None, model: str | None, seq_len: int | None, optimizer: str, measure: int, steps: int,
+         timeout: float, **sizes: int) -> None:
+    """Show the rank grid, the groups of every axis and the rank roles; with --model, rank the
+    topologies of --world ranks for that model."""
+    if model is not None:
+        fixed = {a: v for a, v in sizes.items()
+                 if ctx.get_parameter_source(a) is not click.core.ParameterSource.DEFAULT}
+        if world_size < 1 or any(v < 1 for v in fixed.values()):
+            raise click.BadParameter(f"expected a positive --world and axis sizes. Received: world={world_size}, "
+                                     f"{fixed}.")
+        plan_model(get_plugin_manager(), model, world_size, batch_size, seq_len, [zero] if zero is not None
+                   else [0, 1, 2, 3], fixed, optimizer, measure, steps, timeout, as_json, runtime)
+        return
+    zero = zero or 0
     try:
         strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero)
         topology = strategy.topology.resolve(world_size)
@@ -280,6 +310,23 @@ def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool) -> None:
     click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
     if info["kind"] == "uncommitted" or "problem" in info:
         sys.exit(1)
+
+
+@cli.command("bench-comm")
+@click.option("--world", type=int, default=2, show_default=True, help="processes to measure on")
+@click.option("--sizes", default="4096,262144,4194304", show_default=True, help="message sizes in bytes, comma-separated")
+@click.option("--iters", type=int, default=20, show_default=True, help="timed repetitions per size")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="seconds before the run is stopped")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def bench_comm(world: int, sizes: str, iters: int, timeout: float, as_json: bool) -> None:
+    """Measure all-reduce / all-gather bus bandwidth and latency (and the FLOP rate) on this machine,
+    and cache it for `plan --model` ($POLYPARALLEL_CACHE_DIR, else $XDG_CACHE_HOME/polyparallel)."""
+    try:
+        parsed = [int(x) for x in sizes.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected integers separated by commas. Received: {sizes!r}.",
+                                 param_hint="'--sizes'") from None
+    _bench_comm(get_plugin_manager(), world, parsed, iters, timeout, as_json)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

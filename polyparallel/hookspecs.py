@@ -80,6 +80,22 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def polyparallel_register_advisors(register: Callable[..., None]) -> None:
+    """Register a runtime's topology advisor (``polyparallel plan --model``, ``bench-comm``).
+
+    Called on each ``plan --model`` and ``bench-comm``; only advisors of installed runtimes are used.
+
+    :param register: call ``register(runtime, advisor)`` where ``advisor`` implements
+        :class:`polyparallel._advisor.Advisor`: ``profile(model, batch, seq_len)`` returns a
+        ``ModelProfile`` of the ``module:factory`` named (built without memory, e.g. on torch's
+        meta device) or ``None`` when the model is not this runtime's; ``measure(...)`` runs
+        candidates for real; ``bench_comm(...)`` measures the links. It should import its
+        framework lazily.
+    :return: ignored.
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # lifecycle: processes and per-process runtime state
 # -------------------------------------------------------------------------------------------------

@@ -180,3 +180,10 @@ def polyparallel_register_demos(register: Any) -> None:
 
     register("torch", run_demo)
     register("torch-zero3", run_demo_zero3)
+
+
+@hookimpl
+def polyparallel_register_advisors(register: Any) -> None:
+    from .advisor import TorchAdvisor  # imports no torch until a method runs
+
+    register(RUNTIME, TorchAdvisor())

@@ -94,6 +94,17 @@ class Recorder:
         register("recorded", lambda strategy, nprocs: {"framework": "recorded", "topology": repr(strategy.topology),
                                                        "final_loss": 0.5, "accuracy": 0.9, "step_time_ms": 1.0})
 
+    @pp.hookimpl
+    def polyparallel_register_advisors(self, register):
+        from polyparallel._advisor import LayerProfile, ModelProfile
+
+        self.calls.append(("polyparallel_register_advisors", {}))
+
+        class Advisor:
+            def profile(self, model, batch, seq_len):
+                return ModelProfile(model, "recorded-runtime", [LayerProfile("only", ((400, False),), flops=1e6)])
+        register("recorded-runtime", Advisor())
+
     @pp.hookimpl(tryfirst=True)
     def polyparallel_process_info(self, strategy):
         self.calls.append(("polyparallel_process_info", {"strategy": strategy}))
@@ -184,6 +195,15 @@ def _demos(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp
     assert rec.seen("polyparallel_register_demos")
 
 
+def _advisors(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    result = invoke("plan", "--model", "recorded:model", "--world", "2", "--batch", "4", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["model"][0]["model"] == "recorded:model" and out["model"][0]["runtime"] == "recorded-runtime"
+    assert [(c["data"], c["refused"]) for c in out["candidates"] if c["zero"] == 0][0] == (2, None)
+    assert rec.seen("polyparallel_register_advisors")
+
+
 def _process_info(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
     session = strategy.session()
     assert (session.rank, session.world_size) == (1, 2)
@@ -252,6 +272,7 @@ CASES: dict[str, Case] = {
     "polyparallel_register_adapters": _adapters,
     "polyparallel_capabilities": _capabilities,
     "polyparallel_register_demos": _demos,
+    "polyparallel_register_advisors": _advisors,
     "polyparallel_process_info": _process_info,
     "polyparallel_session_start": _session_start,
     "polyparallel_session_finish": _session_finish,
