@@ -26,6 +26,8 @@ gradients                     ``strategy.sync_grads(model)`` after the closure, 
                               all-reduce (Lightning's epoch means are batch-size weighted)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
                               before each checkpoint (the ``StatePolicy``)
+checkpoints                   ``strategy.save``/``strategy.load``: one DCP directory that reshards
+                              (:mod:`.checkpoint`); the training loader resumes mid-epoch
 decisions, barriers           over the world (every rank must agree to stop or to save)
 ============================  =================================================================
 
@@ -74,6 +76,7 @@ from torch import nn
 
 import polyparallel as pp
 
+from .checkpoint import CheckpointMixin
 from .environment import environment_class, launched_externally
 from .namespaces import NAMESPACES, Namespace
 
@@ -88,7 +91,7 @@ _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environ
                   "data_parallel_size": "Strategy(data=...)", "tensor_parallel_size": "Strategy(tensor=...)"}
 
 
-class StrategyMixin:
+class StrategyMixin(CheckpointMixin):
     """The polyparallel behaviour shared by the adapter's Lightning strategies (module docstring).
 
     :param polyparallel_strategy: the :class:`polyparallel.Strategy` that decides everything.
