@@ -250,3 +250,58 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
     :param states: a model (its buffers and parameters) or a mapping of named state collections.
     :return: the synced states, or ``None`` if this plugin does not own ``states``' type.
     """
+
+
+# -------------------------------------------------------------------------------------------------
+# checkpoints
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any]) -> Any:
+    """Write one training state as a checkpoint directory (``Strategy.save``). Stops at first non-None result.
+
+    Every rank calls it with the same ``path``. The checkpoint must be portable: loadable at any
+    topology of the same model (another data size, no tensor/pipeline axis, one process), and
+    committed atomically: write everything into a staging directory first and publish it as
+    ``path`` (with the commit marker of :mod:`polyparallel._checkpoints`, whose JSON metadata
+    ``polyparallel checkpoint inspect`` and :func:`polyparallel.latest_checkpoint` read) only
+    after every rank finished, so a job killed while saving never leaves a half-written
+    checkpoint under ``path``. A runtime answers only for its own ``session.runtime``; an
+    adapter plugin may answer first for objects of its framework.
+
+    :param strategy: the strategy.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param path: the checkpoint directory to publish (absolute; its parent exists or is made).
+    :param state: what to save, as given to ``Strategy.save`` and checked by the core: the
+        objects ``model``, ``optimizer`` and ``loader`` (a loader ``Strategy.shard_data``
+        returned: its epoch and position are saved), ``framework`` (a name for the metadata,
+        default the runtime) and the user's extras (name -> numbers, strings, booleans, ``None``,
+        lists/dicts of them, or tensors/arrays of the runtime; refuse any other object).
+        Save the runtime's RNG states per rank as well.
+    :return: the published path (a ``str``), or ``None`` if this plugin does not own the state.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    """Restore a checkpoint written by ``polyparallel_save_checkpoint`` (``Strategy.load``). Stops at first non-None result.
+
+    Restores ``state``'s objects in place, resharding to this strategy's topology, and this
+    rank's RNG states (when the checkpoint has the rank; a rank that the writing topology lacked
+    keeps its own). Refuse, on every rank and before any collective, a checkpoint of another
+    model (missing/unexpected keys, other shapes, naming the parameter), a truncated or corrupt
+    file, and a loader whose global batch, data set length, seed or shuffling differ from the
+    saved ones (exact resumption would consume other samples). Never unpickle arbitrary objects.
+    The core already checked that ``path`` is committed and was written by this runtime.
+
+    :param strategy: the strategy.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param path: the committed checkpoint directory (absolute).
+    :param state: the objects to restore in place: ``model``, ``optimizer``, ``loader``.
+    :return: ``{"epoch": int | None, "step": int | None, "global_step": int | None, **extras}``
+        (progress of the saved loader: the epoch to continue, the batches of it already consumed,
+        the batches consumed since the loader was made; ``None`` when saved without ``loader=``),
+        or ``None`` if this plugin does not own the state.
+    """

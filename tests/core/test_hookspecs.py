@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 import polyparallel as pp
+from polyparallel import _checkpoints, hookspecs
 from polyparallel import cli as cli_module
-from polyparallel import hookspecs
 
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if hasattr(fn, "polyparallel_spec")}
 FIVE_OPERATIONS = ("shard_data", "wrap_model", "sync_grads", "reduce_metrics", "sync_states")
@@ -143,6 +143,21 @@ class Recorder:
     def polyparallel_sync_states(self, strategy, session, states):
         return self._operation("polyparallel_sync_states", states)
 
+    @pp.hookimpl
+    def polyparallel_save_checkpoint(self, strategy, session, path, state):
+        if not isinstance(state.get("model"), Subject):
+            return None
+        self.calls.append(("polyparallel_save_checkpoint", {"subject": state["model"], "path": path, "state": state,
+                                                            "session": session}))
+        return path + "!"
+
+    @pp.hookimpl
+    def polyparallel_load_checkpoint(self, strategy, session, path, state):
+        if not isinstance(state.get("model"), Subject):
+            return None
+        self.calls.append(("polyparallel_load_checkpoint", {"subject": state["model"], "path": path, "state": state}))
+        return {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
+
 
 #: (strategy on a manager holding the recorder, the recorder, run the CLI on that manager, a temporary folder)
 Case = Callable[[pp.Strategy, Recorder, Callable[..., Any], Path], None]
@@ -201,6 +216,26 @@ def _launch_script(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., A
     assert call["command"] == [str(script), "--lr", "0.1"] and call["options"]["nproc_per_node"] == "2"
 
 
+def _save_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject = Subject()
+    assert strategy.save(tmp / "ckpt", model=subject, lr=0.1, optimizer=None) == str(tmp / "ckpt") + "!"
+    (seen,) = rec.seen("polyparallel_save_checkpoint")
+    assert seen["path"] == str(tmp / "ckpt") and seen["state"] == {"model": subject, "lr": 0.1}  # None dropped
+    assert seen["session"] is strategy.session()
+
+
+def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject, path = Subject(), tmp / "ckpt"
+    path.mkdir()
+    with pytest.raises(pp.CheckpointError, match="not a committed"):  # no marker: refused before the hook
+        strategy.load(path, model=subject)
+    assert not rec.seen("polyparallel_load_checkpoint")
+    _checkpoints.write_marker(str(path), _checkpoints.base_metadata(strategy, strategy.session(), None))
+    assert strategy.load(path, model=subject) == {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
+    (seen,) = rec.seen("polyparallel_load_checkpoint")
+    assert seen["path"] == str(path) and seen["state"] == {"model": subject}
+
+
 def _operation(name: str, call: Callable[[pp.Strategy, Subject], Any], **expected: Any) -> Case:
     def case(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
         subject = Subject()
@@ -230,6 +265,8 @@ CASES: dict[str, Case] = {
     "polyparallel_reduce_metrics": _operation("reduce_metrics", lambda s, x: s.reduce_metrics({"m": x}),
                                               metrics=lambda m: list(m) == ["m"]),
     "polyparallel_sync_states": _operation("sync_states", lambda s, x: s.sync_states(x)),
+    "polyparallel_save_checkpoint": _save_checkpoint,
+    "polyparallel_load_checkpoint": _load_checkpoint,
 }
 
 
