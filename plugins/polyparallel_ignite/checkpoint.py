@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine
-from ignite.handlers import BaseSaveHandler, Checkpoint
+from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
 from torch import nn
 
 import polyparallel as pp
@@ -42,8 +42,18 @@ __all__ = ["PolyparallelSaver", "make_checkpoint", "load_checkpoint"]
 
 #: The extra the trainer engine's state is saved under.
 ENGINE = "engine"
-#: Ignite's default file names end with ``.pt``; a polyparallel checkpoint is a directory.
-DEFAULT_PATTERN = "{filename_prefix}{name}_{global_step}"
+
+
+def _directory_pattern(kwargs: Mapping[str, Any]) -> str:
+    """Ignite's default file name pattern for these ``Checkpoint`` options, without the ``.pt``
+    extension: a polyparallel checkpoint is a directory."""
+    scored = kwargs.get("score_function") is not None or kwargs.get("score_name") is not None
+    pattern = Checkpoint.setup_filename_pattern(
+        with_prefix=bool(kwargs.get("filename_prefix")), with_score=scored,
+        with_score_name=kwargs.get("score_name") is not None,
+        # Ignite names a global step unless a score decides and no transform gives one.
+        with_global_step=kwargs.get("global_step_transform") is not None or not scored)
+    return pattern.removesuffix(".{ext}")
 
 
 def _sorted_objects(where: str, objects: Mapping[str, Any]) -> dict[str, Any]:
@@ -54,9 +64,8 @@ def _sorted_objects(where: str, objects: Mapping[str, Any]) -> dict[str, Any]:
                         f"...). Received: {objects!r}.")
     roles: dict[str, Any] = {"model": {}, "optimizer": {}, "engine": {}, "others": {}}
     for name, obj in objects.items():
-        if not isinstance(name, str) or name in (*pp_reserved(), ENGINE):
-            raise TypeError(f"{where}: {name!r} cannot name an object (reserved: {[*pp_reserved(), ENGINE]}); "
-                            "use names such as 'net', 'opt', 'trainer', 'scheduler'.")
+        if not isinstance(name, str):
+            raise TypeError(f"{where}: names must be strings. Received: {name!r}.")
         if isinstance(obj, nn.Module):
             roles["model"][name] = obj
         elif isinstance(obj, torch.optim.Optimizer):
@@ -64,6 +73,9 @@ def _sorted_objects(where: str, objects: Mapping[str, Any]) -> dict[str, Any]:
         elif isinstance(obj, Engine):
             roles["engine"][name] = obj
         elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            if name in (*pp_reserved(), ENGINE):  # its state is an extra saved under its name
+                raise TypeError(f"{where}: {name!r} cannot name a {type(obj).__name__} (reserved: "
+                                f"{[*pp_reserved(), ENGINE]}); use another name, e.g. 'scheduler'.")
             roles["others"][name] = obj
         else:
             raise TypeError(f"{where}: {name!r} is a {type(obj).__name__}, which has no state_dict/load_state_dict.")
@@ -139,14 +151,14 @@ def make_checkpoint(strategy: pp.Strategy, to_save: Mapping[str, Any], dirname: 
     :param every: attach it to the trainer engine of ``to_save`` at every ``every``-th
         ``ITERATION_COMPLETED`` (default: not attached; attach it yourself to any event).
     :param kwargs: ``Checkpoint``'s (``n_saved=``, ``score_function=``, ``filename_prefix=``...);
-        ``filename_pattern`` defaults to ``{filename_prefix}{name}_{global_step}`` (a directory,
-        no ``.pt``).
+        ``filename_pattern`` defaults to Ignite's without ``.pt`` (``checkpoint_70``: a directory).
     """
     if "save_handler" in kwargs:
         raise TypeError("checkpoint(save_handler=) is the polyparallel saver; use Checkpoint(...) directly for "
                         "another handler.")
     saver = PolyparallelSaver(strategy, dirname, to_save)
-    kwargs.setdefault("filename_pattern", DEFAULT_PATTERN)
+    if kwargs.get("filename_pattern") is None:
+        kwargs["filename_pattern"] = _directory_pattern(kwargs)
     handler = Checkpoint(to_save, saver, **kwargs)
     if every is not None:
         from ignite.engine import Events
@@ -177,9 +189,9 @@ def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], to_load
     if engine is not None:
         saved = restored.get(ENGINE)
         if not isinstance(saved, Mapping):
-            raise pp.CheckpointError(f"{os.fspath(path)!r} holds no Ignite engine state (it was written by "
-                                     f"{restored.get('framework', 'another framework')!r}); leave the engine out of "
-                                     "to_load, or resume from a checkpoint an Ignite job wrote.")
+            raise pp.CheckpointError(f"{os.fspath(path)!r} holds no Ignite engine state (another framework or a "
+                                     "plain loop wrote it); leave the engine out of to_load (the model, optimizer "
+                                     "and loader were restored), or resume from a checkpoint an Ignite job wrote.")
         engine.load_state_dict(dict(saved))
     for name, obj in roles["others"].items():
         if name not in restored:

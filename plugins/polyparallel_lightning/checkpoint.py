@@ -18,10 +18,12 @@ distributed checkpoints:
   wrapped (DDP, DTensor shards, FSDP2) and its optimizers exist when the checkpoint is read.
 
 The training loader's position (epoch, batches consumed) reaches Lightning's fit loop through
-:class:`ResumableLoader` (the loader ``strategy.shard_data`` made, with the ``state_dict`` /
-``load_state_dict`` pair Lightning 2.4-2.6 saves in ``loops`` and restores before the first
-batch), so a run stopped in the middle of an epoch continues with the remaining batches of that
-epoch, in the order of an uninterrupted run.
+the ``ResumableLoader`` (:func:`resumable_loader_class`: the ``ShardedLoader`` that
+``strategy.shard_data`` made, whose ``state_dict`` / ``load_state_dict`` Lightning 2.4-2.6 saves in
+``loops`` and restores before the first batch, Lightning's "stateful dataloader" protocol), so a
+run stopped in the middle of an epoch continues with the remaining batches of that epoch, in the
+order of an uninterrupted run, without Lightning's warning about a loader that is not resumable.
+It is also saved as ``loader=``, so Ignite or a plain loop resumes from the same position.
 
 Older checkpoints still load: a *file* (the consolidated checkpoint earlier versions of the
 adapter wrote at stage 0, full tensors) goes through Lightning's ``CheckpointIO`` and is cut into
@@ -32,12 +34,15 @@ of the adapter at stages 1-3: it holds ``meta.pt``) goes through that strategy's
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+import polyparallel as pp
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -96,6 +101,40 @@ def localize_optimizer(optimizer: torch.optim.Optimizer) -> None:
                     state[key] = _shard_like(value, param)
 
 
+def epoch_length_loader(loader: Any) -> Any:
+    """``loader`` (a ``ShardedLoader`` from ``strategy.shard_data``) as a :class:`ResumableLoader`:
+    the same dataset, sampler and options; anything else is returned as it is."""
+    from polyparallel_torch.data import ShardedLoader, _loader_options
+
+    if type(loader) is not ShardedLoader:
+        return loader
+    return resumable_loader_class()(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                                    **_loader_options(loader))
+
+
+@functools.cache
+def resumable_loader_class() -> type:
+    """:class:`ResumableLoader`, built on first use (``ShardedLoader`` imports torch)."""
+    from polyparallel_torch.data import ShardedLoader
+
+    class ResumableLoader(ShardedLoader):
+        """The training loader Lightning runs: a ``ShardedLoader`` (``state_dict`` /
+        ``load_state_dict``, which Lightning's fit loop saves in ``loops`` and restores before the
+        first batch of a resumed run) whose ``len()`` is always the whole epoch's.
+
+        Lightning counts a resumed epoch from its own progress (batches already done, restored
+        from the checkpoint) up to ``len(loader)``, as for torchdata's ``StatefulDataLoader``: a
+        length shortened by the consumed batches would end the resumed epoch early."""
+
+        def __len__(self) -> int:
+            sampler = self.sampler
+            batches, rest = divmod(sampler._len, self.batch_size)  # type: ignore[attr-defined,operator]
+            return batches + int(bool(rest) and not self.drop_last)
+
+    ResumableLoader.__module__ = __name__
+    return ResumableLoader
+
+
 def _plain(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (``_optimizer``, public as ``optimizer``)."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -149,7 +188,20 @@ class CheckpointMixin:
                                  "lightning": lightning}
         if optimizer is not None:
             state["optimizer"] = optimizer
+        loader = self._train_loader()
+        if loader is not None:
+            state["loader"] = loader  # its position, for a resume outside Lightning (Ignite, a plain loop)
         self._pp.save(path, **state)
+
+    def _train_loader(self) -> Any:
+        """The training loader ``strategy.shard_data`` made for the (last) fit, if any."""
+        from polyparallel_torch.data import ShardedLoader
+
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is None:
+            return None
+        loader = trainer.train_dataloader
+        return loader if isinstance(loader, ShardedLoader) else None
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove a checkpoint (a directory, or an older file) once, after every rank is past it."""
@@ -195,10 +247,10 @@ class CheckpointMixin:
         restored = self._pp.load(path, **state)
         lightning = restored.get("lightning")
         if not isinstance(lightning, dict):
-            raise ValueError(f"{path!r} is a polyparallel checkpoint written outside Lightning (framework "
-                             f"{restored.get('framework', 'unknown')!r}): it holds no Lightning loop state. Load "
-                             "its weights with strategy.load(path, model=module, optimizer=optimizer) before "
-                             "trainer.fit, without ckpt_path=.")
+            raise pp.CheckpointError(
+                f"{path!r} is a polyparallel checkpoint written outside Lightning (Ignite, a plain loop): it holds "
+                "no Lightning loop state. Its model and optimizer were loaded; to train on from them, call "
+                "strategy.load(path, model=module, optimizer=optimizer) yourself and fit without ckpt_path=.")
         return dict(lightning)
 
     def _load_legacy_directory(self, path: str, weights_only: bool | None) -> dict[str, Any]:

@@ -384,7 +384,8 @@ class StrategyMixin(CheckpointMixin):
     def process_dataloader(self, dataloader: Any) -> Any:
         """Replace the ``DistributedSampler`` Lightning injected from :attr:`distributed_sampler_kwargs`
         by ``strategy.shard_data``: the DataPolicy's remainder for training, ``"uneven"`` for
-        evaluation. Loaders with other samplers are left as Lightning made them."""
+        evaluation. Loaders with other samplers are left as Lightning made them. The training
+        loader is resumable (:func:`.checkpoint.epoch_length_loader`)."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         from torch.utils.data import DataLoader, DistributedSampler
 
@@ -396,9 +397,12 @@ class StrategyMixin(CheckpointMixin):
         overrides: dict[str, Any] = {"shuffle": sampler.shuffle}
         if not self._training():
             overrides["remainder"] = "uneven"
-        elif sampler.drop_last:
+            return self._pp.shard_data(dataloader, **overrides)
+        if sampler.drop_last:
             overrides["remainder"] = "drop"
-        return self._pp.shard_data(dataloader, **overrides)
+        from .checkpoint import epoch_length_loader
+
+        return epoch_length_loader(self._pp.shard_data(dataloader, **overrides))
 
     def _training(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]
