@@ -302,7 +302,7 @@ def list_checkpoints(directory: str | os.PathLike[str], pattern: str = "step-*")
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return []
-    found = []
+    found: list[dict[str, Any]] = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
         if not fnmatch.fnmatch(name, pattern) or not os.path.isdir(full) or _ASIDE in name:

@@ -1,4 +1,4 @@
-"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``."""
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``."""
 
 from __future__ import annotations
 
@@ -258,6 +258,27 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
             [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
              fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows]))
     if failed:
+        sys.exit(1)
+
+
+@cli.group()
+def checkpoint() -> None:
+    """Look into checkpoints written by Strategy.save."""
+
+
+@checkpoint.command("inspect")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
+@click.option("--no-tensors", is_flag=True, help="do not list the tensors")
+def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool) -> None:
+    """What the checkpoint PATH holds (topology written at, progress, tensors and shapes), or
+    the checkpoints of the folder PATH. Exits 1 for a checkpoint that is not committed or whose
+    files do not match."""
+    from ._checkpoint_info import describe, render
+
+    info = describe(path, tensors=not no_tensors)
+    click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
+    if info["kind"] == "uncommitted" or "problem" in info:
         sys.exit(1)
 
 

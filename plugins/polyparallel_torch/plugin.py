@@ -139,6 +139,25 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 
 @hookimpl
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
+    if session.runtime != RUNTIME:
+        return None
+    from .checkpoint import save
+
+    return save(strategy, path, state)
+
+
+@hookimpl
+def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    if session.runtime != RUNTIME:
+        return None
+    from .checkpoint import load
+
+    return load(strategy, path, state)
+
+
+@hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
                         timeout: float | None) -> list[Any] | None:
     if runtime != RUNTIME:
