@@ -128,7 +128,7 @@ def resumable_loader_class() -> type:
 
         def __len__(self) -> int:
             sampler = self.sampler
-            batches, rest = divmod(sampler._len, self.batch_size)  # type: ignore[attr-defined,operator]
+            batches, rest = divmod(sampler._len, self.batch_size)  # type: ignore[attr-defined]
             return batches + int(bool(rest) and not self.drop_last)
 
     ResumableLoader.__module__ = __name__
@@ -157,11 +157,11 @@ class CheckpointMixin:
         on every rank), then the module's own (sharded) state dict — no gathering: the
         checkpoint writes each shard where it lives."""
         self.sync_states()  # type: ignore[attr-defined]
-        return self.lightning_module.state_dict()  # type: ignore[attr-defined,no-any-return]
+        return self.lightning_module.state_dict()  # type: ignore[attr-defined]
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's own (sharded) state dict; the checkpoint reads the live optimizer."""
-        return _plain(optimizer).state_dict()  # type: ignore[no-any-return]
+        return _plain(optimizer).state_dict()
 
     def _checkpoint_optimizer(self, checkpoint: Mapping[str, Any]) -> Any:
         """The one optimizer to save with the model, or ``None`` for a weights-only checkpoint."""
@@ -232,7 +232,7 @@ class CheckpointMixin:
         if os.path.isfile(path):
             self._restored_from = "file"
             options = {} if weights_only is None else {"weights_only": weights_only}
-            return self.checkpoint_io.load_checkpoint(path, **options)  # type: ignore[attr-defined,no-any-return]
+            return self.checkpoint_io.load_checkpoint(path, **options)  # type: ignore[attr-defined]
         if os.path.isfile(os.path.join(path, _LIGHTNING_METADATA)):
             self._restored_from = "lightning"
             return self._load_legacy_directory(path, weights_only)

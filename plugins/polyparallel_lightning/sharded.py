@@ -111,7 +111,7 @@ class ShardedMixin(StrategyMixin):
         adapter wrote at stages 1-3): read by that strategy's own ``load_checkpoint``, which
         restores the model and optimizers itself."""
         options = {} if weights_only is None else {"weights_only": weights_only}  # Lightning 2.4 lacks it
-        return super(CheckpointMixin, self).load_checkpoint(path, **options)  # type: ignore[misc,no-any-return]
+        return super(CheckpointMixin, self).load_checkpoint(path, **options)  # type: ignore[misc]
 
     # -- steps run through the sharded module's forward -------------------------------------------------
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
