@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine
-from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
+from ignite.handlers.checkpoint import Checkpoint, DiskSaver
 from torch import nn
 
 import polyparallel as pp
@@ -96,11 +96,13 @@ def _one(objects: dict[str, Any]) -> Any:
     return next(iter(objects.values()), None)
 
 
-class PolyparallelSaver(BaseSaveHandler):
+class PolyparallelSaver(DiskSaver):
     """An Ignite ``save_handler`` that writes ``to_save`` with ``strategy.save`` (module docstring).
 
     Every rank runs it (polyparallel writes each shard on the rank that holds it); the
-    ``checkpoint`` mapping Ignite computed is not used: the live objects are saved.
+    ``checkpoint`` mapping Ignite computed is not used: the live objects are saved. A
+    ``DiskSaver`` for Ignite (so ``Checkpoint.last_checkpoint`` is the full path), but none of
+    its ``torch.save`` machinery is used: ``strategy.save`` commits each directory atomically.
 
     :param strategy: the strategy of the job.
     :param dirname: the folder the checkpoint directories go to (made if missing).
@@ -108,9 +110,11 @@ class PolyparallelSaver(BaseSaveHandler):
     """
 
     def __init__(self, strategy: pp.Strategy, dirname: str | os.PathLike[str], to_save: Mapping[str, Any]):
+        # DiskSaver.__init__ is not called: its checks are about .pt files on one rank.
         self.strategy = strategy
         self.dirname = Path(dirname).expanduser().absolute()
         self.roles = _sorted_objects("PolyparallelSaver(to_save=)", to_save)
+        self._atomic, self.save_on_rank, self.kwargs = True, 0, {}
 
     def state(self) -> dict[str, Any]:
         """The keywords of ``strategy.save``: objects, the engine's state and the other objects' states."""

@@ -132,3 +132,64 @@ def test_lightning_to_ignite_to_plain_loop_round_trip(run, tmp_path):
     pp.Strategy(data=1).load(str(tmp_path / "ignite" / "from-lightning"), model=model, optimizer=optimizer)
     _assert_state_equal({"params": flat_params(model), "momentum": full_momentum(optimizer)}, results[0]["saved"],
                         "a plain loop")
+
+
+# -- one process: the handler's files and refusals ------------------------------------------------------
+def _plain_job(strategy):
+    from ignite.engine import create_supervised_trainer
+
+    from polyparallel_torch.testing import LR, reference_dataset, reference_model
+
+    model = reference_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    loader = strategy.shard_data(reference_dataset(SAMPLES), batch_size=GLOBAL_BATCH)
+    trainer = create_supervised_trainer(model, optimizer, nn.functional.cross_entropy)
+    return model, optimizer, loader, trainer
+
+
+def test_handler_writes_directories_keeps_n_saved_and_restores_extras(tmp_path):
+    strategy = pp.Strategy(data=1, seed=0)
+    ignite = strategy.adapt("ignite")
+    model, optimizer, loader, trainer = _plain_job(strategy)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    from ignite.engine import Events
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: scheduler.step())
+    to_save = {"model": model, "optimizer": optimizer, "trainer": trainer, "scheduler": scheduler}
+    handler = ignite.checkpoint(to_save, tmp_path, every=3, n_saved=2)
+    trainer.run(loader, max_epochs=2)  # 10 steps: saves at 3, 6, 9; keeps the last two
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_6", "checkpoint_9"]
+    assert handler.last_checkpoint == tmp_path / "checkpoint_9"
+    assert pp.latest_checkpoint(str(tmp_path), pattern="checkpoint_*") == str(tmp_path / "checkpoint_9")
+
+    model2, optimizer2, loader2, trainer2 = _plain_job(strategy)
+    scheduler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=2, gamma=0.5)
+    restored = ignite.load_checkpoint(tmp_path / "checkpoint_9", {"model": model2, "optimizer": optimizer2,
+                                                                "trainer": trainer2, "scheduler": scheduler2},
+                                      loader=loader2)
+    assert (restored["epoch"], restored["step"]) == (1, 4)
+    assert trainer2.state.iteration == 9 and trainer2.state.epoch == 1
+    from polyparallel_torch.testing import LR
+
+    assert scheduler2.state_dict()["last_epoch"] == 9
+    assert optimizer2.param_groups[0]["lr"] == pytest.approx(LR * 0.5 ** (9 // 2)), "the learning rate at step 9"
+
+
+def test_handler_refusals_name_the_problem(tmp_path):
+    strategy = pp.Strategy(data=1, seed=0)
+    ignite = strategy.adapt("ignite")
+    model, optimizer, loader, trainer = _plain_job(strategy)
+    with pytest.raises(TypeError, match=r"holds one model; received \['a', 'b'\]"):
+        ignite.checkpoint({"a": model, "b": nn.Linear(2, 2)}, tmp_path)
+    with pytest.raises(TypeError, match=r"no nn.Module among \['optimizer'\]"):
+        ignite.checkpoint({"optimizer": optimizer}, tmp_path)
+    with pytest.raises(TypeError, match=r"'epoch' cannot name a StepLR"):
+        ignite.checkpoint({"model": model, "epoch": torch.optim.lr_scheduler.StepLR(optimizer, 1)}, tmp_path)
+    with pytest.raises(ValueError, match=r"every=\) takes an int >= 1. Received: 0"):
+        ignite.checkpoint({"model": model, "trainer": trainer}, tmp_path, every=0)
+    with pytest.raises(TypeError, match=r"there is none"):
+        ignite.checkpoint({"model": model}, tmp_path, every=2)
+    # A checkpoint without engine state (a plain loop's) cannot restore an engine.
+    strategy.save(tmp_path / "plain", model=model, optimizer=optimizer)
+    with pytest.raises(pp.CheckpointError, match=r"holds no Ignite engine state"):
+        ignite.load_checkpoint(tmp_path / "plain", {"model": model, "trainer": trainer})

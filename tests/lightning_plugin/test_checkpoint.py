@@ -129,3 +129,36 @@ def test_checkpoint_resumes_mid_epoch_exactly_reshards_and_reads_older_files(run
         # data=4 reads what data=2 x tensor=2 wrote: parameters and momentum, resharded.
         _assert_state_equal(r["resharded"], r["stopped"], f"data=4 on rank {r['rank']}")
         _assert_state_equal(r["legacy"], legacy_state, f"the consolidated file on rank {r['rank']}")
+
+
+def test_refuses_checkpoints_without_lightning_state_and_several_optimizers(tmp_path):
+    """One process: a plain loop's checkpoint holds no Lightning loop state (``ckpt_path=`` says
+    how to use it), and a module with two optimizers cannot be saved as one checkpoint."""
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+
+    strategy = pp.Strategy(data=1, batch_size=GLOBAL_BATCH, seed=0)
+    module_cls = reference_module_class(NS)
+    plain = module_cls(0)
+    strategy.save(tmp_path / "plain", model=plain, optimizer=plain.configure_optimizers())
+    with pytest.raises(pp.CheckpointError, match=r"written outside Lightning .* fit without ckpt_path="):
+        make_trainer(strategy, NS, max_steps=1, limit_val_batches=0).fit(module_cls(1), _loader(),
+                                                                           ckpt_path=str(tmp_path / "plain"))
+
+    class TwoOptimizers(module_cls):
+        def configure_optimizers(self):
+            return [super().configure_optimizers(), super().configure_optimizers()]
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            for optimizer in self.optimizers():
+                optimizer.step()
+                optimizer.zero_grad()
+
+    module = TwoOptimizers(0)
+    module.automatic_optimization = False
+    trainer = make_trainer(strategy, NS, max_steps=1, limit_val_batches=0)
+    trainer.fit(module, _loader())
+    with pytest.raises(TypeError, match=r"holds one optimizer; configure_optimizers returned 2"):
+        trainer.save_checkpoint(str(tmp_path / "two"))
+    assert not (tmp_path / "two").exists()
