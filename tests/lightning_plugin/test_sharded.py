@@ -46,6 +46,16 @@ def _save_worker(strategy, directory):
     trainer = make_trainer(strategy, NS, max_steps=2, limit_val_batches=0)
     trainer.fit(module, _loader(4))
     trainer.save_checkpoint(os.path.join(directory, "sharded.ckpt"))
+    # What earlier versions of the adapter wrote at stages 1-3: Lightning's own ModelParallelStrategy
+    # folder (DCP shards + meta.pt), written here by that base class's save_checkpoint.
+    from polyparallel_lightning.checkpoint import CheckpointMixin
+
+    lightning_own = super(CheckpointMixin, trainer.strategy)  # ModelParallelStrategy's methods
+    dumped = trainer._checkpoint_connector.dump_checkpoint()  # what trainer.save_checkpoint passes on
+    dumped["state_dict"] = lightning_own.lightning_module_state_dict()
+    dumped["optimizer_states"] = [lightning_own.optimizer_state(o) for o in trainer.strategy.optimizers]
+    lightning_own.save_checkpoint(dumped, os.path.join(directory, "lightning-format.ckpt"))
+    trainer.strategy.barrier()
     return {"rank": strategy.rank, "trained": trained, "saved": flat_params(module.net),
             "lightning_base": [c.__name__ for c in type(trainer.strategy).__mro__],
             "model": [type(trainer.strategy.model).__name__, type(trainer.strategy.model).__mro__[1].__name__]}
@@ -59,7 +69,11 @@ def _resume_worker(strategy, directory):
     trainer = make_trainer(strategy, NS, max_steps=2, limit_val_batches=0)
     # Saved after step 2: restoring at max_steps=2 loads and trains no further.
     trainer.fit(module, _loader(2), ckpt_path=os.path.join(directory, "sharded.ckpt"))
-    return {"rank": strategy.rank, "step": trainer.global_step, "loaded": flat_params(module.net)}
+    older = reference_module_class(NS)(2, momentum=0.9)
+    make_trainer(strategy, NS, max_steps=2, limit_val_batches=0).fit(
+        older, _loader(2), ckpt_path=os.path.join(directory, "lightning-format.ckpt"))
+    return {"rank": strategy.rank, "step": trainer.global_step, "loaded": flat_params(module.net),
+            "older": flat_params(older.net)}
 
 
 def test_stage3_matches_single_process_and_its_checkpoint_loads_at_another_data_size(run, tmp_path):
@@ -90,3 +104,4 @@ def test_stage3_matches_single_process_and_its_checkpoint_loads_at_another_data_
         assert r["step"] == 2
         for name, values in r["loaded"].items():
             assert values == pytest.approx(saved[0]["saved"][name], abs=1e-7), f"{name} on rank {r['rank']}"
+            assert r["older"][name] == pytest.approx(saved[0]["saved"][name], abs=1e-7), f"{name}: meta.pt folder"
