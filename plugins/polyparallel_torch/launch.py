@@ -497,6 +497,13 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     ]
     if options.get("rdzv_timeout") is not None:
         argv.append(f"--rdzv-conf=join_timeout={max(1, math.ceil(options['rdzv_timeout']))}")
+    # With restarts, torchrun's default of sharing its rendezvous store with the workers hands a
+    # restarted worker the previous attempt's gloo/nccl addresses (pytorch/pytorch#135712: the
+    # restarted init_process_group fails with "Connection refused"); a store per attempt avoids
+    # it. Set only while torchrun runs, unless the user chose a value.
+    fresh_store = options.get("max_restarts", 0) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    if fresh_store:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         torchrun.main([*argv, *command])
     except SystemExit as exc:
@@ -511,4 +518,7 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
                     "with the same --nnodes and --rdzv-endpoint (a HOST:PORT all nodes reach) and its own --node-rank.")
         print(f"polyparallel launch: {_summary(exc)}{hint}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if fresh_store:
+            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return 0

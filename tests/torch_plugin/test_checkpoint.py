@@ -354,3 +354,58 @@ def test_inspect_lists_the_tensors_and_shapes_of_a_torch_checkpoint(tmp_path):
     assert "progress: epoch 0, 1 batch(es) of it consumed, global step 1; global batch 8" in result.output
     assert "model.0.weight  [16, 8]  float32" in result.output
     assert "tensors (4):" in result.output  # the model's four (SGD without momentum keeps no state)
+
+
+# -- elastic restarts: examples/elastic_train.py under `polyparallel launch --max-restarts 2` ------------------------
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_killed_rank_restarts_from_the_last_committed_checkpoint(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    ckpts = str(tmp_path / "ckpts")
+    command = [sys.executable, "-m", "polyparallel.cli", "launch", "--nproc-per-node", "4", "--max-restarts", "2",
+               EXAMPLE, "--ckpt-dir", ckpts, "--every", "4", "--kill-rank", "2", "--kill-step", "8"]
+    done = subprocess.run(["timeout", "-k", "10", "360", *command], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    resumes = [json.loads(line[len("RESUME "):]) for line in done.stdout.splitlines() if line.startswith("RESUME ")]
+    (result,) = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    # Attempt 0 started from nothing; rank 2 died before the checkpoint of step 8, leaving its peers
+    # inside that save: attempt 1 found step 8 half-written (a staging directory, no marker) and
+    # resumed from step 4.
+    assert [r["attempt"] for r in resumes] == [0, 1] and resumes[0]["from"] is None
+    assert resumes[1]["from"] == os.path.join(ckpts, "step-000004")
+    assert any(name.startswith("step-000008.partial-") for name in resumes[1]["held"]), resumes[1]["held"]
+    assert "step-000008" not in resumes[1]["held"]
+    assert sorted(os.listdir(ckpts)) == ["step-000004", "step-000008", "step-000012"]  # the stale one removed
+    # Equal to an uninterrupted single-process run with the same global batch.
+    spec = importlib.util.spec_from_file_location("elastic_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    reference = example.train(pp.Strategy(data=1, batch_size=16), epochs=2)
+    for name, value in reference.items():
+        torch.testing.assert_close(torch.tensor(result[name]), torch.tensor(value), rtol=1e-5, atol=1e-5)
+
+
+def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypatch):
+    # The elastic test above fails without it (restarted workers read the old attempt's gloo
+    # addresses); this checks that the setting does not outlive `polyparallel launch`.
+    from torch.distributed import run as torchrun
+
+    from polyparallel_torch.launch import launch_script
+
+    seen = []
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(torchrun, "main", lambda argv: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2}) == 0
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 0}) == 0
+    assert seen == ["1", None] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # the user's choice is kept
+    launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2})
+    assert seen[-1] == "0" and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
