@@ -39,7 +39,11 @@ decisions, barriers           over the world (every rank must agree to stop or t
 ``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin``,
 ``cluster_environment``, ``parallel_devices``, ``world_size``/``global_rank``/``local_rank``,
 ``num_processes``/``num_nodes``, ``checkpoint_io``, ``lightning_fabric...reset_seed``, the
-``LightningEnvironment`` cluster environment, ``trainer.state``; the stage-specific names are
+``LightningEnvironment`` cluster environment, ``trainer.state``; for checkpoints (:mod:`.checkpoint`)
+``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint``, ``lightning_module_state_dict``,
+``optimizer_state``, ``load_model_state_dict``, ``load_optimizer_state_dict``,
+``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``, ``trainer.train_dataloader``
+and the fit loop's resumable-loader protocol (a train loader with ``state_dict``/``load_state_dict``); the stage-specific names are
 listed in :mod:`.ddp` and :mod:`.sharded`. Private, read or wrapped but never overridden:
 ``_layer_sync`` (the ``sync_batchnorm`` plugin Lightning's connector sets on every
 ``ParallelStrategy``; read to refuse it under tensor replicas) and the Trainer's
@@ -457,7 +461,7 @@ def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None,
         :func:`~polyparallel_lightning.namespaces.resolve_namespace` (see it for the automatic rule).
     :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
     :param kwargs: passed to the Lightning base class: ``DDPStrategy`` at stage 0 (``start_method=``,
-        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=``.
+        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=True``.
     """
     cls = strategy_class(namespace.pytorch, strategy.shard_policy.stage)
     return cls(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)
