@@ -124,7 +124,7 @@ def polyparallel_session_finish(session: Session) -> None:
 @hookspec(firstresult=True)
 def polyparallel_launch(
     fn: Callable[..., Any], strategy: Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-    timeout: float | None,
+    timeout: float | None, trace_dir: str | None,
 ) -> list[Any] | None:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
 
@@ -142,6 +142,8 @@ def polyparallel_launch(
     :param kwargs: keyword arguments for ``fn``.
     :param timeout: seconds after which all processes are terminated and ``LaunchError`` raised
         (``None``: no limit).
+    :param trace_dir: an absolute directory where every process writes its collective trace
+        (``polyparallel._trace``: ``configure(trace_dir=...)`` in each process), or ``None``.
     :return: the list of return values, indexed by rank; ``None`` if this plugin cannot launch.
     """
 

@@ -104,12 +104,19 @@ def _end_with_launcher(launcher: int) -> None:
 
 
 def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int,
-            port: int, outdir: str, args: tuple, kwargs: dict, launcher: int) -> None:
+            port: int, outdir: str, args: tuple, kwargs: dict, launcher: int, trace_dir: str | None = None,
+            trace_store: str | None = None) -> None:
     _end_with_launcher(launcher)
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if trace_dir is not None:  # written when a collective fails and at exit (polyparallel._trace)
+        from polyparallel import _trace
+
+        _trace.configure(trace_dir, rank=local_rank, world_size=nprocs)
+    if trace_store is not None:  # the hang reports' side channel (tracing.py), served by the launcher
+        os.environ["POLYPARALLEL_TRACE_STORE"] = trace_store
     code = 1
     broken: str | None = "stopped by the launcher after another rank failed"
     try:
@@ -251,12 +258,13 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 
 def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
-                    timeout: float | None = None) -> list[Any]:
+                    timeout: float | None = None, trace_dir: str | None = None) -> list[Any]:
     """Run ``fn`` in ``nprocs`` spawned processes; results by rank. See :func:`polyparallel.launch`
     and the module documentation (teardown, error reporting).
 
     Refuses, before any process starts, a ``timeout`` that is not a positive number of seconds
     and a communication backend this machine cannot run (``nccl`` without enough CUDA devices).
+    With ``trace_dir``, every worker writes its collective trace there (``rank<r>.jsonl``).
     """
     timeout = _check_timeout(timeout)
     _check_backend(strategy.backend, nprocs)
@@ -265,9 +273,17 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
     remove_stale_launch_dirs()
     with _launch_dir() as outdir:
         context = None
+        from polyparallel import _trace
+
+        from .tracing import serve_store
+
+        # The side channel's store lives here, so a rank's report still reaches its peers after
+        # rank 0 (which holds the process group's store) has gone.
+        store, endpoint = serve_store() if nprocs > 1 and _trace.enabled() else (None, None)
         try:
             context = mp.start_processes(
-                _worker, args=(fn, strategy, nprocs, free_port(), outdir, args, kwargs, os.getpid()),
+                _worker, args=(fn, strategy, nprocs, free_port(), outdir, args, kwargs, os.getpid(), trace_dir,
+                               endpoint),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
             _supervise(context.processes, outdir, nprocs, timeout)
@@ -278,6 +294,7 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
                 for process in context.processes:
                     # The pipes multiprocessing keeps per process, else open until garbage collection.
                     process.close()
+            del store
 
 
 def _check_timeout(timeout: Any) -> float | None:
