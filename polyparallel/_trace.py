@@ -143,11 +143,12 @@ class Recorder:
             items = list(self.entries)[-count:]
         return [e.to_dict() for e in items]
 
-    def dump(self, reason: str = "exit", directory: str | None = None) -> str | None:
+    def dump(self, reason: str = "exit", directory: str | None = None, failed: bool = False) -> str | None:
         """Write the whole buffer to ``<directory>/rank<r>.jsonl`` (default :attr:`trace_dir`): a
-        header line (rank, host, pid, why), then one line per entry; replaces an earlier dump.
-        Returns the path, or ``None`` when there is no directory or it cannot be written."""
-        if reason != "exit" and self.failure is None:
+        header line (rank, host, pid, why, the first failure), then one line per entry; replaces
+        an earlier dump. Returns the path, or ``None`` when there is no directory or it cannot be
+        written. ``failed``: ``reason`` is this rank's failure (kept for later dumps)."""
+        if failed and self.failure is None:
             self.failure = reason
         directory = directory or self.trace_dir
         if not directory:

@@ -496,7 +496,12 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
 
     ``options`` are the command's, validated by it: with no ``rdzv_endpoint`` (or port 0) on one
     node, the rendezvous is 127.0.0.1 on a free port; ``rdzv_timeout`` bounds how long the agents
-    wait for every node to join.
+    wait for every node to join; ``trace_dir`` makes every worker write its collective trace there.
+
+    Each worker runs the script through :mod:`polyparallel_torch.script`, which saves a failure
+    for the agent instead of printing its traceback: when workers fail, this prints the report of
+    the first failing rank (the earliest that is not a collective failure, as
+    :func:`launch_function` does) and one line per other failed rank.
     """
     from torch.distributed import run as torchrun
 
@@ -514,13 +519,23 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     ]
     if options.get("rdzv_timeout") is not None:
         argv.append(f"--rdzv-conf=join_timeout={max(1, math.ceil(options['rdzv_timeout']))}")
+    if command and not command[0].startswith("-"):  # a script: run through the reporting wrapper
+        argv += ["-m", "polyparallel_torch.script"]
+    trace_dir = options.get("trace_dir")
+    saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
+    if trace_dir:  # the agent hands this process's environment to the workers
+        os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
     try:
-        torchrun.main([*argv, *command])
+        torchrun.run(torchrun.parse_args([*argv, *command]))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
+    except Exception as exc:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.elastic.rendezvous import RendezvousError
 
+        if isinstance(exc, ChildFailedError):
+            print(f"polyparallel launch: {_first_failure(exc.failures)}", file=sys.stderr, flush=True)
+            return 1
         hint = ""
         if isinstance(exc, RendezvousError):
             hint = (f" (rendezvous at {endpoint}, --nnodes {options.get('nnodes', 1)}). Not every node joined in "
@@ -528,4 +543,42 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
                     "with the same --nnodes and --rdzv-endpoint (a HOST:PORT all nodes reach) and its own --node-rank.")
         print(f"polyparallel launch: {_summary(exc)}{hint}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if trace_dir:
+            if saved is None:
+                os.environ.pop("POLYPARALLEL_TRACE_DIR", None)
+            else:
+                os.environ["POLYPARALLEL_TRACE_DIR"] = saved
     return 0
+
+
+def _first_failure(failures: dict[int, Any]) -> str:
+    """The report of torchrun's failed workers: the root cause's traceback (the earliest failure
+    that is not a collective failure; else a rank that died without one; else the earliest), then
+    one line per other failed rank."""
+    records = {rank: f.error_file_data.get("polyparallel") for rank, f in failures.items()}
+    own = sorted((r for r, rec in records.items() if rec and not rec["collective"]), key=lambda r: records[r]["time"])
+    # SIGTERM is how the agent stops the other workers once one failed: a consequence, not a cause.
+    stopped = sorted(r for r, rec in records.items() if not rec and failures[r].exitcode == -signal.SIGTERM)
+    silent = sorted(r for r, rec in records.items() if not rec and r not in stopped)
+    collective = sorted((r for r, rec in records.items() if rec and rec["collective"]),
+                        key=lambda r: records[r]["time"])
+    root = (own or silent or collective or stopped)[0]
+    world = os.environ.get("WORLD_SIZE")  # not set in the agent; the failures name global ranks
+    others = []
+    for rank in sorted(failures):
+        if rank == root:
+            continue
+        rec = records[rank]
+        if rec:
+            kind = " (collective failure: probably a consequence)" if rec["collective"] else ""
+            others.append(f"  rank {rank}: {rec['summary']}{kind}")
+        else:
+            others.append(f"  rank {rank}: {failures[rank].message}")
+    tail = ("\nOther failed ranks:\n" + "\n".join(others)) if others else ""
+    rec = records[root]
+    of = f" of {world}" if world else ""
+    if rec:
+        return f"rank {root}{of} failed: {rec['summary']}\n{rec['traceback'].rstrip()}{tail}"
+    failure = failures[root]
+    return f"rank {root}{of} failed (exit code {failure.exitcode}): {failure.message}{tail}"

@@ -245,7 +245,7 @@ class TorchRuntime:
         if self.broken is None:
             self.broken = reason
             if self._rec is not None:
-                self._rec.dump(reason)
+                self._rec.dump(reason, failed=True)
 
     # -- groups ---------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:
@@ -412,7 +412,9 @@ class TorchRuntime:
             return name, entry
         # Every rank of the group saw the mismatch: all of them gather the descriptors, with the
         # caller's location (found again here when the trace is off: this path is rare).
-        where = _where(entry)
+        from .tracing import mismatch_message, where_of
+
+        where = where_of(entry)
         out: list[Any] = [None] * len(self.group_ranks(axis))
         mine = (self.rank, operation, seq, detail, refusal, where)
         try:
@@ -421,7 +423,7 @@ class TorchRuntime:
         except BaseException as exc:
             _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             raise
-        message = _mismatch_message(mine, out, axis, self.group_ranks(axis))
+        message = mismatch_message(mine, out, axis, self.group_ranks(axis))
         _trace.Recorder.finish(entry, message.splitlines()[0])
         self.mark_broken(message.splitlines()[0])
         if refusal is not None:
@@ -513,38 +515,6 @@ class TorchRuntime:
         with self._checked(operation, axis, "all_gather_object") as label, self.collective(operation, axis, label):
             dist.all_gather_object(out, obj, group=group)
         return out
-
-
-def _where(entry: _trace.Entry | None) -> str:
-    """The caller's location of an operation (``train.py:57``), from its trace entry or the stack."""
-    from polyparallel._trace_report import location
-
-    site, user = (entry.site, entry.user) if entry is not None else _trace.caller(2)
-    fmt = lambda loc: None if loc is None else f"{loc[0]}:{loc[1]}"  # noqa: E731
-    return location({"site": fmt(site), "user": fmt(user)})
-
-
-def _mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ranks: list[int]) -> str:
-    # A descriptor: (rank, operation, sequence number, detail, refusal, caller's location).
-    def side(d: tuple[Any, ...], with_detail: bool) -> str:
-        text = f"{d[1]} #{d[2]} at {d[5]}"
-        if d[4] is not None:
-            return f"{text} (refused: {d[4]})"
-        return f"{text} ({d[3]})" if with_detail and d[3] else text
-
-    other = next((d for d in everyone if d[1:5] != mine[1:5]), everyone[0])
-    detail = mine[1:3] == other[1:3]  # same operation and number: the shapes are what differs
-    lines = [
-        (f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
-         f"{mine[0]} vs {side(other, detail)} on rank {other[0]}."),
-        ("Every rank of a group must call the same polyparallel operations in the same order, with the same "
-         "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
-         "Each rank of the group called:"),
-        *(f"  rank {d[0]}: {side(d, True)}" for d in everyone),
-        ("The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
-         "processes."),
-    ]
-    return "\n".join(lines)
 
 
 def _backend_options(backend: str, timeout: datetime.timedelta) -> Any:

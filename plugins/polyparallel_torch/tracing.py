@@ -29,9 +29,9 @@ import traceback
 from typing import Any
 
 from polyparallel import _trace
-from polyparallel._trace_report import describe_group
+from polyparallel._trace_report import describe_group, location
 
-__all__ = ["SideChannel", "start", "POLL_S", "STACK_FRAMES"]
+__all__ = ["SideChannel", "start", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
 
 POLL_S = 0.2
 """How often each rank's thread looks for a request (seconds)."""
@@ -76,6 +76,8 @@ class SideChannel:
                      "entries": self.recorder.last(8),
                      "stack": _stack_of(self.recorder.thread) if stack and not exited else None}
             self.store.set(f"state/{self.rank}", json.dumps(state))
+        if generation and not exited:  # a peer timed out: this rank may be killed next, so write now
+            self.recorder.dump("a peer's collective timed out")
 
     def collect(self, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any] | None]:
         """Ask every rank for its state and wait up to ``wait_s`` for the answers of ``ranks``
@@ -178,3 +180,35 @@ def hang_report(runtime: Any, axis: str) -> tuple[str, str]:
         return "", f"\nNo report of the other ranks: the rendezvous store failed too ({type(exc).__name__}: {exc})."
     summary, details = describe_group(states, runtime.rank, wait_s)
     return summary, "".join("\n" + line for line in details)
+
+
+def where_of(entry: _trace.Entry | None) -> str:
+    """The caller's location of an operation (``train.py:57``), from its trace entry or the stack."""
+    site, user = (entry.site, entry.user) if entry is not None else _trace.caller(2)
+    fmt = lambda loc: None if loc is None else f"{loc[0]}:{loc[1]}"  # noqa: E731
+    return location({"site": fmt(site), "user": fmt(user)})
+
+
+def mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ranks: list[int]) -> str:
+    """The desync error of an identity check: both sides (operation, sequence number, caller's
+    location; the shapes when only they differ), then what every rank of the group called."""
+    # A descriptor: (rank, operation, sequence number, detail, refusal, caller's location).
+    def side(d: tuple[Any, ...], with_detail: bool, where: bool = False) -> str:
+        text = f"{d[1]} #{d[2]}" + (f" at {d[5]}" if where else "")
+        if d[4] is not None:
+            return f"{text} (refused: {d[4]})"
+        return f"{text} ({d[3]})" if with_detail and d[3] else text
+
+    other = next((d for d in everyone if d[1:5] != mine[1:5]), everyone[0])
+    detail = mine[1:3] == other[1:3]  # same operation and number: the shapes are what differs
+    lines = [
+        (f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
+         f"{mine[0]} vs {side(other, detail)} on rank {other[0]} (called at {mine[5]} and {other[5]})."),
+        ("Every rank of a group must call the same polyparallel operations in the same order, with the same "
+         "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
+         "Each rank of the group called:"),
+        *(f"  rank {d[0]}: {side(d, True, where=True)}" for d in everyone),
+        ("The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
+         "processes."),
+    ]
+    return "\n".join(lines)

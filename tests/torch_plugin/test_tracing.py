@@ -85,8 +85,12 @@ def test_ranks_at_different_operations_fail_at_once_naming_both_locations():
     here = os.path.basename(__file__)
     states_at, grads_at = _line_of(_desync, "rank 0: sync_states"), _line_of(_desync, "rank 1: sync_grads")
     assert "CollectiveError: operations out of step over the 'data' axis" in text, text
-    assert f"sync_states #2 at {here}:{states_at}" in text, text
-    assert f"sync_grads #2 at {here}:{grads_at}" in text, text
+    first = text.splitlines()[0]
+    assert "sync_grads #2 on rank 1 vs sync_states #2 on rank 0" in first or \
+        "sync_states #2 on rank 0 vs sync_grads #2 on rank 1" in first, text
+    assert f"rank 0: sync_states #2 at {here}:{states_at}" in text, text
+    assert f"rank 1: sync_grads #2 at {here}:{grads_at}" in text, text
+    assert f"{here}:{states_at}" in first and f"{here}:{grads_at}" in first, text
 
 
 def _recorded(strategy):
@@ -104,3 +108,52 @@ def test_every_runtime_collective_is_recorded_with_its_sequence_number(run):
         assert ("start the torch runtime", "world", 1) in names
         assert ("reduce_metrics", "data", entries[-1][2]) == names[-1]
         assert all(state == "done" for *_, state in entries), entries
+
+
+HANG_SCRIPT = """
+import time
+import polyparallel as pp
+
+s = pp.Strategy(data=2, timeout=6)
+s.reduce_metrics({"loss": 1.0})
+if s.rank == 0:
+    s.reduce_metrics({"loss": 2.0})  # only rank 0
+else:
+    time.sleep(40)  # rank 1 computes instead
+"""
+
+
+def _cli(*args, timeout=150):
+    import sys
+
+    return ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "polyparallel.cli", *args]
+
+
+@pytest.mark.timeout(200)
+def test_cli_launch_prints_the_first_failing_rank_once_and_trace_shows_the_timelines(tmp_path):
+    import subprocess
+
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    traces = tmp_path / "traces"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(_cli("launch", "--nproc-per-node", "2", "--trace-dir", str(traces), str(script)),
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
+    err = proc.stderr
+    report = err[err.index("polyparallel launch: "):]
+    assert report.startswith("polyparallel launch: rank 0 failed: CollectiveTimeout: reduce_metrics #2"), err
+    assert "rank 1 has not entered any collective since reduce_metrics #1 (hang.py:6, done)" in report, err
+    assert "rank 0 waits in reduce_metrics #2 (hang.py:8)" in report, err
+    assert 'hang.py", line 10, in <module>' in report, err  # rank 1's stack: its sleep
+    assert err.count('hang.py", line 8, in <module>') == 1, err  # one report, not one traceback per rank
+    shown = subprocess.run(_cli("trace", str(traces), "--rank", "1"), capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert any(line.startswith("rank 0 ") and "written at exit after: reduce_metrics #2 over the 'data' axis" in line
+               for line in lines), shown.stdout
+    hang_row = next(line for line in lines if line.startswith("!"))
+    assert "data" in hang_row and "reduce_metrics [failed]" in hang_row and "(hang.py:8)" in hang_row, shown.stdout
+    assert hang_row.rstrip().endswith("-"), shown.stdout  # rank 1 never entered #2
+    assert "rank 1:" in shown.stdout and "hang.py:6" in shown.stdout
