@@ -137,11 +137,6 @@ class TorchRuntime:
                 self.mark_broken(f"making the process groups failed: {str(exc).splitlines()[0] if str(exc) else exc!r}")
                 self.close()
                 raise
-            from . import tracing
-
-            self.side_channel = tracing.start(self)
-            if self.side_channel is not None:
-                self.at_close(self.side_channel.close)
 
     # -- setup / teardown ---------------------------------------------------------------------------
     def _check_backend(self) -> None:
@@ -184,6 +179,12 @@ class TorchRuntime:
             _WORLD["group"] = dist.group.WORLD
         _WORLD["users"] += 1
         self._uses_world = True
+        # The hang reports' side channel (tracing.py), before the first check can time out.
+        from . import tracing
+
+        channel = self.side_channel = tracing.start(self)
+        if channel is not None:
+            self.at_close(lambda: tracing.release(channel))
         # Every rank makes the same runtime (a rank that made it with another timeout or topology
         # would pair its collectives wrongly): checked before the mesh, whose sub-group creation
         # would otherwise just wait for ranks that are not making it.

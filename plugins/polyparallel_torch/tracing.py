@@ -31,7 +31,7 @@ from typing import Any
 from polyparallel import _trace
 from polyparallel._trace_report import describe_group, location
 
-__all__ = ["SideChannel", "start", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
+__all__ = ["SideChannel", "start", "release", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
 
 POLL_S = 0.2
 """How often each rank's thread looks for a request (seconds)."""
@@ -143,27 +143,44 @@ def serve_store() -> tuple[Any, str]:
     return store, f"127.0.0.1:{store.port}"
 
 
+# One channel per process, shared by its runtimes (refcounted): a peer still working in another
+# runtime (another Strategy timeout or topology) must answer too, and its entries are the
+# process's anyway (one process is one rank).
+_SHARED: dict[str, Any] = {"channel": None, "users": 0}
+
+
 def start(runtime: Any) -> SideChannel | None:
-    """The side channel of a torch runtime (``None`` when tracing is off, at world size 1, or
-    when the default group has no store)."""
+    """The process's side channel, for a torch runtime that is making its groups (``None`` when
+    tracing is off, at world size 1, or when the default group has no store); release it with
+    :func:`release` when the runtime closes."""
     recorder = _trace.get_recorder()
     if recorder is None or runtime.world_size == 1:
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d
+    if _SHARED["channel"] is None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
 
-    store = _own_store()
-    if store is None:
-        try:
-            store = distributed_c10d._get_default_store()
-        except Exception:  # a default group made without a store we can reach (e.g. by a custom init)
-            return None
-    # Per runtime (its groups are), per torchrun restart (the agent's store outlives the workers).
-    from .runtime import _hash62  # deferred: runtime imports this module
+        store = _own_store()
+        if store is None:
+            try:
+                store = distributed_c10d._get_default_store()
+            except Exception:  # a default group made without a store we can reach (e.g. by a custom init)
+                return None
+        # Per torchrun restart: the agent's store outlives the workers.
+        prefix = f"polyparallel/trace/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        _SHARED["channel"] = SideChannel(dist.PrefixStore(prefix, store), runtime.rank, recorder)
+    _SHARED["users"] += 1
+    return _SHARED["channel"]
 
-    key = _hash62(repr((runtime.topology, runtime.backend, runtime.timeout_s)))
-    prefix = f"polyparallel/trace/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key:x}/"
-    return SideChannel(dist.PrefixStore(prefix, store), runtime.rank, recorder)
+
+def release(channel: SideChannel) -> None:
+    """A runtime is done with the channel; the last one closes it."""
+    if channel is not _SHARED["channel"]:
+        return
+    _SHARED["users"] -= 1
+    if _SHARED["users"] <= 0:
+        _SHARED["channel"], _SHARED["users"] = None, 0
+        channel.close()
 
 
 def hang_report(runtime: Any, axis: str) -> tuple[str, str]:
