@@ -68,10 +68,11 @@ def _status(state: Mapping[str, Any] | None, mine: Mapping[str, Any] | None, ans
             return f"waits in {label(open_)} ({location(open_)})", False
         return f"entered {label(open_)}{axis} ({location(open_)})", False
     last = entries[-1] if entries else None
+    if exited:
+        latest = f"{label(last)} ({location(last)}, {last.get('state')})" if last is not None else "none"
+        return f"has exited (its last collective: {latest})", False
     since = (f"since {label(last)} ({location(last)}, {last.get('state')})" if last is not None
              else "yet")
-    if exited:
-        return f"has exited; it entered no collective {since}", False
     return f"has not entered any collective {since}", True
 
 

@@ -1,4 +1,4 @@
-"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``."""
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``trace``."""
 
 from __future__ import annotations
 

@@ -155,7 +155,8 @@ def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> i
     :param command: the script and its arguments.
     :param options: ``nproc_per_node``, ``nnodes``, ``node_rank``, ``rdzv_endpoint`` (``None``:
         one node, pick a local port), ``rdzv_timeout`` (seconds for every node to join),
-        ``max_restarts``, as given on the command line and already validated by it.
+        ``max_restarts``, ``trace_dir`` (where every rank writes its collective trace, or
+        ``None``), as given on the command line and already validated by it.
     :return: the exit code, or ``None`` if this plugin cannot launch.
     """
 
