@@ -70,8 +70,8 @@ def test_recording_is_off_with_polyparallel_trace_0():
 
 def test_a_trace_dir_is_written_at_exit(tmp_path):
     code = ("from polyparallel import _trace\n"
-            "_trace.configure(trace_dir=%r, rank=2, world_size=4)\n"
-            "_trace.Recorder.finish(_trace.get_recorder().enter('reduce_metrics', 'data', 1))\n" % str(tmp_path))
+            f"_trace.configure(trace_dir={str(tmp_path)!r}, rank=2, world_size=4)\n"
+            "_trace.Recorder.finish(_trace.get_recorder().enter('reduce_metrics', 'data', 1))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     header, entry = [json.loads(line) for line in open(tmp_path / "rank2.jsonl")]

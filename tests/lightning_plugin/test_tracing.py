@@ -64,7 +64,8 @@ def _worker(strategy):
         module = _module_class(s, scenario)(0)
         trainer = make_trainer(s, NS, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
         started = time.monotonic()
-        out[scenario] = _failure(lambda: trainer.fit(module, DataLoader(reference_dataset(24), batch_size=4)))
+        loader = DataLoader(reference_dataset(24), batch_size=4)
+        out[scenario] = _failure(lambda t=trainer, m=module, d=loader: t.fit(m, d))
         out[f"{scenario}_s"] = time.monotonic() - started
     return out
 

@@ -94,7 +94,7 @@ def test_ranks_at_different_operations_fail_at_once_naming_both_locations():
 
 
 def _recorded(strategy):
-    model = strategy.wrap_model(nn.Linear(3, 2))
+    strategy.wrap_model(nn.Linear(3, 2))  # its parameter broadcast: a checked operation
     strategy.reduce_metrics({"x": 1.0})
     return [(e.operation, e.axis, e.seq, e.state) for e in _trace.get_recorder().entries]
 
