@@ -26,14 +26,20 @@ destroyed, nor ``dist.group.WORLD`` through a mesh dimension that aliases it.
 all-reduce of ``[h, -h]`` with MAX over the operation's group, where ``h`` is a 62-bit blake2b
 hash of (operation, axis, per-axis sequence number, shapes and dtypes). All ranks agree iff
 ``max(h) == min(h)``; otherwise every rank of the group gathers the descriptors and raises
-:class:`polyparallel.CollectiveError` naming both sides ("sync_states #3 on rank 0 vs sync_grads
-#3 on rank 1 over the 'data' axis"), before any payload collective could mix a running mean with
-a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
+:class:`polyparallel.CollectiveError` naming both sides and where each was called ("sync_states #3
+on rank 0 vs sync_grads #3 on rank 1 (called at train.py:40 and train.py:42)"), before any payload
+collective could mix a running mean with a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
 sends nothing): the ranks then pair one operation apart, and the first pairing of two different
 operations (or shapes) is reported; if the ops are all alike, the last one times out. Making the
 runtime is checked too, over the default group: ranks that made it with another topology,
 backend or timeout fail at once naming both. ``GradPolicy(check=False)`` skips the check of
 ``sync_grads``, the one operation on the hot path.
+
+**Trace.** Every operation (one entry for its check and payload) and every collective outside one
+(``collective`` + ``wait``) is recorded in the process's collective trace
+(:mod:`polyparallel._trace`; off with ``POLYPARALLEL_TRACE=0``). A timeout's error says what every
+rank of the group was doing, read through the side channel of :mod:`polyparallel_torch.tracing`
+(started when the groups are made), and a failure writes the trace to the trace directory.
 
 **Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any
 :class:`~polyparallel.CollectiveError`, a late peer may still be inside a collective of these
