@@ -1,4 +1,4 @@
-"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``, ``bench-comm``."""
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``, ``trace``, ``bench-comm``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
 from ._topology import AXES, Topology
+from ._trace_cli import trace
 
 __all__ = ["main", "cli"]
 
@@ -176,6 +177,8 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
 @click.option("--rdzv-timeout", type=float, default=300.0, show_default=True,
               help="seconds to wait for every node to join before giving up")
 @click.option("--max-restarts", type=int, default=0, show_default=True)
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="every rank writes its collective trace here (read it with `polyparallel trace DIR`)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(command: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun).
@@ -333,6 +336,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+cli.add_command(trace)  # polyparallel trace DIR (_trace_cli.py)
 
 
 def main() -> None:

@@ -140,7 +140,7 @@ def polyparallel_session_finish(session: Session) -> None:
 @hookspec(firstresult=True)
 def polyparallel_launch(
     fn: Callable[..., Any], strategy: Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-    timeout: float | None,
+    timeout: float | None, trace_dir: str | None,
 ) -> list[Any] | None:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
 
@@ -158,6 +158,8 @@ def polyparallel_launch(
     :param kwargs: keyword arguments for ``fn``.
     :param timeout: seconds after which all processes are terminated and ``LaunchError`` raised
         (``None``: no limit).
+    :param trace_dir: an absolute directory where every process writes its collective trace
+        (``polyparallel._trace``: ``configure(trace_dir=...)`` in each process), or ``None``.
     :return: the list of return values, indexed by rank; ``None`` if this plugin cannot launch.
     """
 
@@ -169,7 +171,8 @@ def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> i
     :param command: the script and its arguments.
     :param options: ``nproc_per_node``, ``nnodes``, ``node_rank``, ``rdzv_endpoint`` (``None``:
         one node, pick a local port), ``rdzv_timeout`` (seconds for every node to join),
-        ``max_restarts``, as given on the command line and already validated by it.
+        ``max_restarts``, ``trace_dir`` (where every rank writes its collective trace, or
+        ``None``), as given on the command line and already validated by it.
     :return: the exit code, or ``None`` if this plugin cannot launch.
     """
 

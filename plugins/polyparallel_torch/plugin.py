@@ -159,12 +159,12 @@ def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, pat
 
 @hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-                        timeout: float | None) -> list[Any] | None:
+                        timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
     if runtime != RUNTIME:
         return None
     from .launch import launch_function
 
-    return launch_function(fn, strategy, nprocs, args, kwargs, timeout)
+    return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)
 
 
 @hookimpl
