@@ -402,7 +402,7 @@ def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypa
 
     seen = []
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    monkeypatch.setattr(torchrun, "main", lambda argv: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
     assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2}) == 0
     assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 0}) == 0
     assert seen == ["1", None] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
