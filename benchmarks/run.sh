@@ -17,6 +17,8 @@ OUT=benchmarks/results/latest.md
     echo "# polyparallel benchmarks ($(date -u +%Y-%m-%dT%H:%MZ), $(nproc --all) cores)"
     echo; echo '## torch runtime'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_torch.py "${QUICK[@]}" --json benchmarks/results/torch.json
+    echo '```'; echo; echo '## Collective trace (recording on/off)'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_trace.py "${QUICK[@]}" --json benchmarks/results/trace.json
     echo '```'; echo; echo '## Lightning adapter'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_lightning.py "${QUICK[@]}" --json benchmarks/results/lightning.json
     echo '```'; echo; echo '## Ignite adapter'; echo '```'
@@ -27,6 +29,8 @@ OUT=benchmarks/results/latest.md
     timeout -k 10 1200 python benchmarks/bench_jax.py "${QUICK[@]}" --json benchmarks/results/jax.json
     echo '```'; echo; echo '## Sharding (zero=3, FSDP2)'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_sharding.py "${QUICK[@]}" --json benchmarks/results/sharding.json
+    echo '```'; echo; echo '## Checkpoints (data=2 x tensor=2)'; echo '```'
+    timeout -k 10 1200 python benchmarks/bench_checkpoint.py "${QUICK[@]}" --json benchmarks/results/checkpoint.json
     echo '```'; echo; echo '## DeepSpeed adapter'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_deepspeed.py "${QUICK[@]}" --json benchmarks/results/deepspeed.json
     echo '```'

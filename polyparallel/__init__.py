@@ -8,7 +8,9 @@ plugins are discovered through the ``polyparallel`` entry-point group on first u
 from __future__ import annotations
 
 from ._capabilities import Capabilities
+from ._checkpoints import latest_checkpoint
 from ._errors import (
+    CheckpointError,
     CollectiveError,
     CollectiveTimeout,
     LaunchError,
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AXES",
     "Capabilities",
+    "CheckpointError",
     "CollectiveError",
     "CollectiveTimeout",
     "DataPolicy",
@@ -56,6 +59,7 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "latest_checkpoint",
     "launch",
     "session_scope",
     "shard_indices",

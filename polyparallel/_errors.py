@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "LaunchError",
+    "CheckpointError",
 ]
 
 
@@ -67,6 +68,12 @@ class LaunchError(PolyparallelError, RuntimeError):
     def __init__(self, message: str, *, rank: int | None = None, traceback: str = ""):
         self.rank, self.traceback = rank, traceback
         super().__init__(message)
+
+
+class CheckpointError(PolyparallelError, ValueError):
+    """A checkpoint cannot be saved or loaded as asked: not committed (half-written), truncated or
+    corrupt, another model's, another runtime's, or a loader whose global batch (or data) differs
+    from the saved one. Raised on every rank before any collective."""
 
 
 def _rebuild(cls: type, args: tuple, kwargs: dict) -> BaseException:

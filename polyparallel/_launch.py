@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ def launch(
     *,
     runtime: str | None = None,
     timeout: float | None = None,
+    trace_dir: str | os.PathLike[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` new processes and return the results by rank.
 
@@ -46,6 +48,10 @@ def launch(
     :param timeout: seconds after which every process is terminated and :class:`LaunchError`
         raised (a safety net for tests and scripts; collectives have the strategy's own timeout);
         ``None``: no limit.
+    :param trace_dir: a directory where every process writes its collective trace
+        (``rank<r>.jsonl``: the last collectives it issued, with their callers) when a collective
+        fails and when it exits; read it with ``polyparallel trace DIR``. ``None``: not written
+        (``POLYPARALLEL_TRACE_DIR`` in the environment does the same for any process).
     :raises NoPluginError: no runtime is installed (with the extra to install), or the runtime
         cannot start processes.
     """
@@ -69,6 +75,13 @@ def launch(
                                 or not 0 < timeout < math.inf):
         raise TopologyError(f"launch(timeout=) must be None (no limit) or a positive, finite number of seconds. "
                             f"Received: {timeout!r}.")
+    if trace_dir is not None:
+        if not isinstance(trace_dir, (str, os.PathLike)) or not os.fspath(trace_dir):
+            raise TypeError(f"launch(trace_dir=) must be a directory path (str or os.PathLike) or None. "
+                            f"Received: {trace_dir!r:.60}.")
+        trace_dir = os.path.abspath(os.fspath(trace_dir))
+        if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
+            raise TypeError(f"launch(trace_dir={trace_dir!r}) is a file; pass a directory (made if missing).")
     if runtime is not None and (not isinstance(runtime, str) or not runtime):
         raise TypeError(f"launch(runtime=) must be a runtime or adapter name, or None. Received: {runtime!r}.")
     topology = strategy.topology.resolve(nprocs)  # raises a TopologyError naming sizes and nprocs
@@ -97,7 +110,7 @@ def launch(
                         f"{type(exc).__name__}: {exc}. Define fn at module level (not a lambda or a nested "
                         "function) and pass picklable arguments.") from exc
     results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, runtime=chosen, nprocs=nprocs,
-                      args=args, kwargs=kwargs, timeout=timeout)
+                      args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
     if results is None:
         caps = pm.runtimes()[chosen]
         raise NoPluginError(

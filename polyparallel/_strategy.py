@@ -8,8 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _routing
-from ._errors import NoPluginError, TopologyError
+from . import _checkpoints, _routing
+from ._errors import CheckpointError, NoPluginError, TopologyError
 from ._manager import PluginManager, get_plugin_manager
 from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
 from ._topology import Topology
@@ -346,6 +346,64 @@ class Strategy:
     def sync_states(self, states: Any) -> Any:
         """Synchronise state collections per :attr:`state_policy` (mean / broadcast / local)."""
         return self._dispatch("sync_states", states, states=states)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def save(self, path: Any, **state: Any) -> str:
+        """Save a training state as one portable checkpoint directory at ``path``; every rank calls
+        it alike. Returns the absolute path, published only once every rank finished writing.
+
+        :param path: the checkpoint directory (e.g. ``f"ckpts/step-{step:06d}"``, so that
+            :func:`polyparallel.latest_checkpoint` finds the newest). An earlier checkpoint there
+            is replaced; any other existing path is refused.
+        :param model: the model ``wrap_model`` returned (or a plain one): its parameters and
+            buffers, each shard written once.
+        :param optimizer: its optimizer: its state and hyperparameters, per parameter name.
+        :param loader: a loader ``shard_data`` returned: its epoch and the batches of it
+            already consumed, with the global batch, seed and data set length it needs to resume.
+        :param framework: a name recorded in the metadata (adapters pass theirs; default the runtime).
+        :param extras: any other keyword: numbers, strings, booleans, ``None``, lists/tuples/dicts
+            of them, and tensors of the runtime (rank 0's values are written); other objects are
+            refused. The names ``epoch``, ``step`` and ``global_step`` are ``load``'s.
+
+        Each rank's RNG states (Python's ``random``, the runtime's, NumPy's if imported) are saved too.
+        Atomic: the files are written into ``<path>.partial-<token>``, which becomes ``path``
+        (with its commit marker) only after every rank finished; :meth:`load` refuses a directory
+        without the marker. The refusals happen on every rank before any collective.
+        """
+        path, state = _checkpoints.check_save(path, state)
+        return self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state)
+
+    def load(self, path: Any, **state: Any) -> dict[str, Any]:
+        """Restore a checkpoint :meth:`save` wrote, at this strategy's topology (any data size, a
+        tensor/pipeline axis or none, one process): ``model``, ``optimizer`` and ``loader`` are
+        restored in place, as are this rank's RNG states.
+
+        :param path: a committed checkpoint directory (:func:`polyparallel.latest_checkpoint`
+            picks the newest in a folder).
+        :param model, optimizer, loader: the objects to restore (each optional). A ``loader``
+            asks for exact resumption: its next pass continues the saved epoch after the batches
+            already consumed, so the rest of the epoch is seen exactly once in the saved run's
+            order, also at another data size with the same global batch.
+        :return: ``{"epoch": e, "step": k, "global_step": g, **extras}``: continue with epoch
+            ``e``, of which ``k`` batches were consumed (``k == 0`` when the saved epoch was
+            complete: ``e`` is then the next one); ``g`` batches were consumed since the loader
+            was made. The three are ``None`` when the checkpoint was saved without ``loader=``.
+            Extras come back as saved (tensors as the runtime's tensors).
+        :raises CheckpointError: on every rank, before any collective: the checkpoint is not
+            committed (half-written), truncated or corrupt, written by another runtime, holds
+            another model (the message names the keys and shapes), or the loader's global batch,
+            data set length, seed or shuffling differ from the saved ones.
+        :raises FileNotFoundError: there is no directory at ``path``.
+        """
+        path, state = _checkpoints.check_load(path, state)
+        metadata = _checkpoints.read_marker(path)
+        session = self.session()
+        if metadata.get("runtime") != session.runtime:
+            raise CheckpointError(f"Strategy.load: {path!r} was written by the {metadata.get('runtime')!r} runtime; "
+                                  f"this strategy runs on {session.runtime!r}. Load it with "
+                                  f"Strategy(runtime={metadata.get('runtime')!r}).")
+        result = self._dispatch("load_checkpoint", state.get("model", state), path=path, state=state)
+        return dict(result)
 
     def adapt(self, name: str, **kwargs: Any) -> Any:
         """A framework-native object built from this strategy by the adapter registered as ``name``

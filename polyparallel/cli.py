@@ -1,4 +1,4 @@
-"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``."""
+"""The ``polyparallel`` command: ``plan``, ``plugins``, ``launch``, ``demo``, ``checkpoint``, ``trace``, ``bench-comm``."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ from typing import Any
 import click
 
 from . import hookspecs
+from ._advisor import OPTIMIZER_STATES
+from ._advisor_cli import bench_comm as _bench_comm
+from ._advisor_cli import plan_model
 from ._errors import PolyparallelError
 from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
 from ._topology import AXES, Topology
+from ._trace_cli import trace
 
 __all__ = ["main", "cli"]
 
@@ -36,13 +40,40 @@ def cli() -> None:
 @click.option("--world", "world_size", type=int, required=True, help="number of ranks")
 @_axis_options
 @click.option("--runtime", default=None, help="also check the topology against this runtime or adapter "
-                                               "(its declared capabilities), as launch does")
-@click.option("--batch-size", type=int, default=None, help="also check that this global batch divides over the data axis")
-@click.option("--zero", type=int, default=0, show_default=True,
-              help="sharding stage over the data axis (0-3); with --runtime, checked against what it runs")
+                                               "(its declared capabilities), as launch does; with --model, "
+                                               "advise for this runtime only")
+@click.option("--batch-size", "--batch", "batch_size", type=int, default=None,
+              help="also check that this global batch divides over the data axis (with --model: the batch estimated)")
+@click.option("--zero", type=click.IntRange(0, 3), default=None,
+              help="sharding stage over the data axis (0-3; default 0); with --runtime, checked against what it runs; "
+                   "with --model, only this stage is advised [default with --model: all]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
-def plan(world_size: int, as_json: bool, runtime: str | None, batch_size: int | None, zero: int, **sizes: int) -> None:
-    """Show the rank grid, the groups of every axis and the rank roles."""
+@click.option("--model", default=None, metavar="MODULE:FACTORY",
+              help="advise a topology for this model: estimate memory, communication and step time of every "
+                   "topology of --world ranks the installed runtimes accept (README: Choosing a topology)")
+@click.option("--seq-len", type=int, default=None, help="with --model: sequence length handed to the model's inputs")
+@click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam", show_default=True,
+              help="with --model: optimizer whose states are estimated (adam: 2 per parameter, momentum: 1, sgd: 0)")
+@click.option("--measure", type=int, default=0, show_default=True,
+              help="with --model: run the K best candidates for real and print measured vs estimated")
+@click.option("--steps", type=int, default=5, show_default=True, help="with --measure: timed steps per candidate")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="with --measure: seconds per candidate")
+@click.pass_context
+def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None, batch_size: int | None,
+         zero: int | None, model: str | None, seq_len: int | None, optimizer: str, measure: int, steps: int,
+         timeout: float, **sizes: int) -> None:
+    """Show the rank grid, the groups of every axis and the rank roles; with --model, rank the
+    topologies of --world ranks for that model."""
+    if model is not None:
+        fixed = {a: v for a, v in sizes.items()
+                 if ctx.get_parameter_source(a) is not click.core.ParameterSource.DEFAULT}
+        if world_size < 1 or any(v < 1 for v in fixed.values()):
+            raise click.BadParameter(f"expected a positive --world and axis sizes. Received: world={world_size}, "
+                                     f"{fixed}.")
+        plan_model(get_plugin_manager(), model, world_size, batch_size, seq_len, [zero] if zero is not None
+                   else [0, 1, 2, 3], fixed, optimizer, measure, steps, timeout, as_json, runtime)
+        return
+    zero = zero or 0
     try:
         strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero)
         topology = strategy.topology.resolve(world_size)
@@ -146,6 +177,8 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
 @click.option("--rdzv-timeout", type=float, default=300.0, show_default=True,
               help="seconds to wait for every node to join before giving up")
 @click.option("--max-restarts", type=int, default=0, show_default=True)
+@click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
+              help="every rank writes its collective trace here (read it with `polyparallel trace DIR`)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def launch(command: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun).
@@ -261,10 +294,51 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
         sys.exit(1)
 
 
+@cli.group()
+def checkpoint() -> None:
+    """Look into checkpoints written by Strategy.save."""
+
+
+@checkpoint.command("inspect")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
+@click.option("--no-tensors", is_flag=True, help="do not list the tensors")
+def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool) -> None:
+    """What the checkpoint PATH holds (topology written at, progress, tensors and shapes), or
+    the checkpoints of the folder PATH. Exits 1 for a checkpoint that is not committed or whose
+    files do not match."""
+    from ._checkpoint_info import describe, render
+
+    info = describe(path, tensors=not no_tensors)
+    click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
+    if info["kind"] == "uncommitted" or "problem" in info:
+        sys.exit(1)
+
+
+@cli.command("bench-comm")
+@click.option("--world", type=int, default=2, show_default=True, help="processes to measure on")
+@click.option("--sizes", default="4096,262144,4194304", show_default=True, help="message sizes in bytes, comma-separated")
+@click.option("--iters", type=int, default=20, show_default=True, help="timed repetitions per size")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="seconds before the run is stopped")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def bench_comm(world: int, sizes: str, iters: int, timeout: float, as_json: bool) -> None:
+    """Measure all-reduce / all-gather bus bandwidth and latency (and the FLOP rate) on this machine,
+    and cache it for `plan --model` ($POLYPARALLEL_CACHE_DIR, else $XDG_CACHE_HOME/polyparallel)."""
+    try:
+        parsed = [int(x) for x in sizes.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected integers separated by commas. Received: {sizes!r}.",
+                                 param_hint="'--sizes'") from None
+    _bench_comm(get_plugin_manager(), world, parsed, iters, timeout, as_json)
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+cli.add_command(trace)  # polyparallel trace DIR (_trace_cli.py)
 
 
 def main() -> None:

@@ -80,6 +80,22 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def polyparallel_register_advisors(register: Callable[..., None]) -> None:
+    """Register a runtime's topology advisor (``polyparallel plan --model``, ``bench-comm``).
+
+    Called on each ``plan --model`` and ``bench-comm``; only advisors of installed runtimes are used.
+
+    :param register: call ``register(runtime, advisor)`` where ``advisor`` implements
+        :class:`polyparallel._advisor.Advisor`: ``profile(model, batch, seq_len)`` returns a
+        ``ModelProfile`` of the ``module:factory`` named (built without memory, e.g. on torch's
+        meta device) or ``None`` when the model is not this runtime's; ``measure(...)`` runs
+        candidates for real; ``bench_comm(...)`` measures the links. It should import its
+        framework lazily.
+    :return: ignored.
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # lifecycle: processes and per-process runtime state
 # -------------------------------------------------------------------------------------------------
@@ -124,7 +140,7 @@ def polyparallel_session_finish(session: Session) -> None:
 @hookspec(firstresult=True)
 def polyparallel_launch(
     fn: Callable[..., Any], strategy: Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-    timeout: float | None,
+    timeout: float | None, trace_dir: str | None,
 ) -> list[Any] | None:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` fresh processes. Stops at first non-None result.
 
@@ -142,6 +158,8 @@ def polyparallel_launch(
     :param kwargs: keyword arguments for ``fn``.
     :param timeout: seconds after which all processes are terminated and ``LaunchError`` raised
         (``None``: no limit).
+    :param trace_dir: an absolute directory where every process writes its collective trace
+        (``polyparallel._trace``: ``configure(trace_dir=...)`` in each process), or ``None``.
     :return: the list of return values, indexed by rank; ``None`` if this plugin cannot launch.
     """
 
@@ -153,7 +171,8 @@ def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> i
     :param command: the script and its arguments.
     :param options: ``nproc_per_node``, ``nnodes``, ``node_rank``, ``rdzv_endpoint`` (``None``:
         one node, pick a local port), ``rdzv_timeout`` (seconds for every node to join),
-        ``max_restarts``, as given on the command line and already validated by it.
+        ``max_restarts``, ``trace_dir`` (where every rank writes its collective trace, or
+        ``None``), as given on the command line and already validated by it.
     :return: the exit code, or ``None`` if this plugin cannot launch.
     """
 
@@ -249,4 +268,59 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
     :param session: this process's session (answer only for your runtime: ``session.runtime``).
     :param states: a model (its buffers and parameters) or a mapping of named state collections.
     :return: the synced states, or ``None`` if this plugin does not own ``states``' type.
+    """
+
+
+# -------------------------------------------------------------------------------------------------
+# checkpoints
+# -------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any]) -> Any:
+    """Write one training state as a checkpoint directory (``Strategy.save``). Stops at first non-None result.
+
+    Every rank calls it with the same ``path``. The checkpoint must be portable: loadable at any
+    topology of the same model (another data size, no tensor/pipeline axis, one process), and
+    committed atomically: write everything into a staging directory first and publish it as
+    ``path`` (with the commit marker of :mod:`polyparallel._checkpoints`, whose JSON metadata
+    ``polyparallel checkpoint inspect`` and :func:`polyparallel.latest_checkpoint` read) only
+    after every rank finished, so a job killed while saving never leaves a half-written
+    checkpoint under ``path``. A runtime answers only for its own ``session.runtime``; an
+    adapter plugin may answer first for objects of its framework.
+
+    :param strategy: the strategy.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param path: the checkpoint directory to publish (absolute; its parent exists or is made).
+    :param state: what to save, as given to ``Strategy.save`` and checked by the core: the
+        objects ``model``, ``optimizer`` and ``loader`` (a loader ``Strategy.shard_data``
+        returned: its epoch and position are saved), ``framework`` (a name for the metadata,
+        default the runtime) and the user's extras (name -> numbers, strings, booleans, ``None``,
+        lists/dicts of them, or tensors/arrays of the runtime; refuse any other object).
+        Save the runtime's RNG states per rank as well.
+    :return: the published path (a ``str``), or ``None`` if this plugin does not own the state.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    """Restore a checkpoint written by ``polyparallel_save_checkpoint`` (``Strategy.load``). Stops at first non-None result.
+
+    Restores ``state``'s objects in place, resharding to this strategy's topology, and this
+    rank's RNG states (when the checkpoint has the rank; a rank that the writing topology lacked
+    keeps its own). Refuse, on every rank and before any collective, a checkpoint of another
+    model (missing/unexpected keys, other shapes, naming the parameter), a truncated or corrupt
+    file, and a loader whose global batch, data set length, seed or shuffling differ from the
+    saved ones (exact resumption would consume other samples). Never unpickle arbitrary objects.
+    The core already checked that ``path`` is committed and was written by this runtime.
+
+    :param strategy: the strategy.
+    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param path: the committed checkpoint directory (absolute).
+    :param state: the objects to restore in place: ``model``, ``optimizer``, ``loader``.
+    :return: ``{"epoch": int | None, "step": int | None, "global_step": int | None, **extras}``
+        (progress of the saved loader: the epoch to continue, the batches of it already consumed,
+        the batches consumed since the loader was made; ``None`` when saved without ``loader=``),
+        or ``None`` if this plugin does not own the state.
     """

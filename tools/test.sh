@@ -31,7 +31,7 @@ if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ]; then
     if bash "$ROOT/tools/env-lightning-oldest.sh"; then
         "${POLYPARALLEL_LIGHTNING_OLDEST_VENV:-$ROOT/.venv-lightning-oldest}/bin/python" -m pytest -p no:cacheprovider \
             tests/lightning_plugin/test_plugin.py tests/lightning_plugin/test_sharded.py \
-            tests/lightning_plugin/test_conformance.py::TestLightningData2 \
+            tests/lightning_plugin/test_conformance.py::TestLightningData2 tests/lightning_plugin/test_checkpoint.py \
             tests/lightning_plugin/test_strategy.py -k "not hybrid_checkpoints" || failed+=(lightning-oldest)
     else
         failed+=(lightning-oldest-env)

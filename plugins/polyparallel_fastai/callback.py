@@ -32,7 +32,11 @@ event                  what the callback does
 predictions in the loader's order, as in one process.
 
 While attached, ``learn.save`` and ``learn.load`` are the callback's :meth:`~ParallelCallback.save`
-and :meth:`~ParallelCallback.load` (collective: call them on every rank).
+and :meth:`~ParallelCallback.load` (collective: call them on every rank). They keep fastai's own
+file rather than a polyparallel checkpoint (``strategy.save``): fastai's optimizer is not a
+``torch.optim.Optimizer`` (the DCP checkpoint restores those by parameter name), every rank holds
+a full replica (data axis only), so one file is the whole model and loads at any data size, and
+the callback also runs on XLA, where ``torch.distributed.checkpoint`` does not apply.
 """
 
 from __future__ import annotations

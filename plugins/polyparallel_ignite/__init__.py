@@ -9,6 +9,8 @@ Use it through a strategy::
     optimizer = ignite.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1), model)
     trainer = ignite.create_supervised_trainer(model, optimizer, loss_fn, data=loader)
     evaluator = ignite.create_supervised_evaluator(model, {"acc": Accuracy()})
+    ignite.checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, "ckpts", every=500)
+    ignite.load_checkpoint(path, {"model": model, "optimizer": optimizer, "trainer": trainer}, loader=loader)
 
 ``import polyparallel_ignite`` imports neither torch nor ignite.
 """

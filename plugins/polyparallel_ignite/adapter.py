@@ -14,6 +14,9 @@ ignite                          :class:`IgniteAdapter`
 metrics (``sync_all_reduce``)   :meth:`~IgniteAdapter.attach`: metrics of the engine reduce over the
                                 data group, bounded by the strategy's timeout (that engine only;
                                 :meth:`~IgniteAdapter.detach` undoes it)
+``Checkpoint`` / ``load_objects`` :meth:`~IgniteAdapter.checkpoint` / :meth:`~IgniteAdapter.load_checkpoint`:
+                                ``strategy.save``/``strategy.load`` (one DCP directory that reshards;
+                                the engine's epoch/iteration and the loader's position resume exactly)
 ==============================  ===================================================================
 
 plus :meth:`~IgniteAdapter.create_supervised_trainer` / ``create_supervised_evaluator``, which
@@ -323,6 +326,33 @@ class IgniteAdapter:
             return None if y_pred is None else transform(x, y, y_pred)
 
         return Engine(step)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def checkpoint(self, to_save: Mapping[str, Any], dirname: Any, *, every: int | None = None,
+                   **kwargs: Any) -> Any:
+        """An ignite ``Checkpoint`` handler whose files are polyparallel checkpoints: every rank
+        writes ``to_save`` (one model, its optimizer, the trainer engine, objects with
+        ``state_dict``) through ``strategy.save`` into a directory under ``dirname``; the engine's
+        state and its loader's position are saved too (:mod:`polyparallel_ignite.checkpoint`).
+
+        :param every: attach it to the trainer engine of ``to_save`` every ``every`` iterations.
+        :param kwargs: ``Checkpoint``'s own (``n_saved=``, ``score_function=``, ...).
+        """
+        from .checkpoint import make_checkpoint
+
+        return make_checkpoint(self.strategy, to_save, dirname, every=every, **kwargs)
+
+    def load_checkpoint(self, path: Any, to_load: Mapping[str, Any], loader: Any = None) -> dict[str, Any]:
+        """Restore ``to_load`` from a polyparallel checkpoint (written by :meth:`checkpoint`, by
+        Lightning or a plain loop) at this topology; the trainer engine's epoch and iteration, and
+        with ``loader`` (the sharded loader the trainer will run) its position, so that
+        ``trainer.run(loader, max_epochs=N)`` continues where the saved run stopped.
+
+        :return: what ``strategy.load`` returned (progress and extras).
+        """
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self.strategy, path, to_load, loader)
 
     # -- group-aware replacements of idist helpers -------------------------------------------------------
     def reduce_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:

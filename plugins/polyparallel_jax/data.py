@@ -95,6 +95,9 @@ class ShardedArrays:
                              f"(e.g. {max(data_size, policy.batch_size // data_size * data_size)}).")
         self.batch_size = policy.batch_size
         self.per_device = policy.batch_size // data_size
+        self.global_step = 0  # batches yielded since these arrays were sharded
+        self._position = (0, 0)  # (epoch, batches of it yielded): what state_dict() saves
+        self._resume: tuple[int, int] | None = None  # set by load_state_dict: where batches(epoch) starts
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -107,10 +110,18 @@ class ShardedArrays:
         return shard_order(self.num_samples, self.runtime.data_size, self.seed, epoch,
                            self.policy.shuffles(), self.policy.remainder)
 
-    def batches(self, epoch: int = 0) -> Iterator[Batch]:
-        """The global batches of ``epoch``, as ``jax.Array``s sharded over the data axis."""
+    def batches(self, epoch: int = 0, start: int | None = None) -> Iterator[Batch]:
+        """The global batches of ``epoch``, as ``jax.Array``s sharded over the data axis, from
+        batch ``start`` on: the batches an uninterrupted pass would give next. ``start=None`` is 0,
+        or, once after :meth:`load_state_dict`, the saved position when ``epoch`` is the saved one."""
         import jax
 
+        if start is None:
+            start = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._resume = None  # consumed by the first pass after load_state_dict, whichever epoch it is
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(self):
+            raise DataError(f"batches(start=) must be an int in [0, {len(self)}] (batches per epoch). Received: {start!r}.")
+        self._position = (epoch, start)
         shards = self.indices(epoch)
         longest = max(len(s) for s in shards)
         # uneven: shorter shards are padded with their first sample and a 0 mask.
@@ -118,18 +129,46 @@ class ShardedArrays:
         masks = [np.concatenate([np.ones(len(s), np.float32), np.zeros(longest - len(s), np.float32)]) for s in shards]
         local = self.runtime.local_data_coords()
         sharding = self.runtime.sharding("data")
-        for start in range(0, longest, self.per_device):
-            stop = min(start + self.per_device, longest)
-            rows = np.concatenate([padded[d][start:stop] for d in local])
-            global_rows = (stop - start) * self.runtime.data_size
+        for row in range(start * self.per_device, longest, self.per_device):
+            stop = min(row + self.per_device, longest)
+            rows = np.concatenate([padded[d][row:stop] for d in local])
+            global_rows = (stop - row) * self.runtime.data_size
             arrays = [jax.make_array_from_process_local_data(sharding, a[rows], (global_rows, *a.shape[1:]))
                       for a in self._arrays]
-            mask = np.concatenate([masks[d][start:stop] for d in local])
-            every = np.concatenate([padded[d][start:stop] for d in range(self.runtime.data_size)])
-            count = int(sum(masks[d][start:stop].sum() for d in range(self.runtime.data_size)))
+            mask = np.concatenate([masks[d][row:stop] for d in local])
+            every = np.concatenate([padded[d][row:stop] for d in range(self.runtime.data_size)])
+            count = int(sum(masks[d][row:stop].sum() for d in range(self.runtime.data_size)))
+            self._position = (epoch, self._position[1] + 1)
+            self.global_step += 1
             yield Batch(_unflatten(self._structure, arrays),
                         jax.make_array_from_process_local_data(sharding, mask, (global_rows,)), global_rows,
                         count, every)
+        if self._position == (epoch, len(self)):
+            self._position = (epoch + 1, 0)  # a complete pass: the next one is epoch + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (``epoch`` to continue, ``batches`` of it yielded, ``global_step``) and
+        what exact resumption must agree on (``global_batch``, ``seed``, ``dataset_len``,
+        ``shuffle``, ``remainder``); the same in every process. A batch counts as consumed once
+        yielded."""
+        return {"epoch": self._position[0], "batches": self._position[1], "global_step": self.global_step,
+                "global_batch": self.batch_size, "seed": self.seed, "dataset_len": self.num_samples,
+                "shuffle": self.policy.shuffles(), "remainder": self.policy.remainder}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (possibly of another data size): the next
+        ``batches(state["epoch"])`` skips its first ``state["batches"]`` global batches, so the
+        rest of the epoch is consumed exactly once, in the saved run's order.
+
+        :raises polyparallel.CheckpointError: the global batch, data set length, seed, shuffling
+            or remainder policy differ from the saved ones (the samples would differ).
+        """
+        from polyparallel import _checkpoints
+
+        _checkpoints.check_loader_resume("loader state", state, self.state_dict())
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        self._position, self._resume = (epoch, batches), (epoch, batches) if batches else None
+        self.global_step = int(state.get("global_step", 0))
 
     def __repr__(self) -> str:
         return (f"ShardedArrays({self.num_samples} samples, batch_size={self.batch_size} over "

@@ -17,6 +17,10 @@ the sharded parameters. Metrics and losses are reduced count-weighted by
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
 
+``save``/``load`` write and read orbax-checkpoint directories (:mod:`polyparallel_jax.saving`),
+resharded to the reading mesh; ``fit(checkpoint=, checkpoint_every=, resume=)`` checkpoints and
+resumes mid-epoch exactly.
+
 The module passed in keeps its own configuration: the train/eval mode and the BatchNorm
 ``axis_name`` a step needs are set only while that step's graph is taken (``nnx.split``; the
 compiled step keeps them), then the module's own values are put back, so the user's
@@ -25,6 +29,7 @@ compiled step keeps them), then the module's own values are put back, so the use
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,7 +106,8 @@ class Model:
         self._opt_state: Any = None
         self._local_stats: Any = None  # per-device statistics under the "local" policy
         self._steps: dict[Any, Any] = {}
-        self._saved_opt_state: Any = None
+        self._saved_opt_state: Any = None  # an optimizer state to re-place on the next placement
+        self._fit_info: dict[str, Any] | None = None  # the last fit's data position, history, partial epoch
 
     # -- placement -----------------------------------------------------------------------------
     def _place(self, strategy: pp.Strategy | None) -> _Placement:
@@ -128,6 +134,8 @@ class Model:
             runtime = runtime_for(strategy)
             wrapped = strategy.wrap_model(self.module, plan=self.plan)
         self._placed = (strategy, runtime, wrapped)
+        if self._opt_state is not None:  # the optimizer state follows its parameters to the new placement
+            self._saved_opt_state = self._opt_state
         self._opt_state, self._steps = None, {}
         return self._placed
 
@@ -267,23 +275,38 @@ class Model:
     # -- public API ------------------------------------------------------------------------------
     def fit(self, x: Any, y: Any, epochs: int = 1, batch_size: int = 32, validation_data: tuple[Any, Any] | None = None,
             strategy: pp.Strategy | None = None, *, shuffle: bool = True, verbose: int = 1,
-            seed: int | None = None) -> dict[str, list[float]]:
-        """Train for ``epochs`` over ``(x, y)`` with global batch ``batch_size``.
+            seed: int | None = None, checkpoint: str | None = None, checkpoint_every: int | None = None,
+            resume: bool | str = False) -> dict[str, list[float]]:
+        """Train until epoch ``epochs`` over ``(x, y)`` with global batch ``batch_size``.
 
         :param strategy: parallelise over devices (``Strategy(data=-1)``, ``Strategy(data=4,
             tensor=2)``); ``None`` uses the Model's strategy, or one device.
         :param validation_data: ``(x_val, y_val)`` evaluated after each epoch (``val_*`` keys).
         :param verbose: 0 silences the progress bar (it prints on the logger process only).
         :param seed: overrides ``strategy.seed`` for shuffling.
+        :param checkpoint: a directory: :meth:`save` into ``checkpoint/step-<global step>`` after
+            every epoch, and every ``checkpoint_every`` steps (counted over the run) within one;
+            the two newest committed checkpoints are kept.
+        :param resume: ``True`` (resume from the newest committed checkpoint in ``checkpoint``,
+            or start from scratch if there is none: what a restarted job needs) or a checkpoint
+            path. The run continues at the saved epoch and step with the saved parameters,
+            optimizer, RNG state and history, on any topology with the same global batch: the
+            rest of the interrupted epoch is exactly the batches an uninterrupted run would train
+            on next, so it ends with the uninterrupted run's parameters. A different global
+            batch, seed, shuffling or data length is refused. ``epochs`` counts from the start.
         :return: :attr:`history`, ``name -> per-epoch values`` (``loss``, metrics, ``val_*``).
         """
         import jax
         from flax import nnx
 
+        from . import saving
+
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative int. Received: {epochs!r}.")
+        every = saving.checkpoint_every(checkpoint, checkpoint_every)
         self._place(strategy)
         data = self._data((x, y), batch_size, shuffle, self._remainder(), seed)
+        start_epoch, start_step, partial = saving.start_position(self, checkpoint, resume, data)
         graphdef, params, stats, rest = self._split(train=True)
         if self._opt_state is None:
             self._opt_state = self._init_optimizer(params)
@@ -291,10 +314,12 @@ class Model:
         step = self._step(train=True)  # after _maybe_local: the step's stats layout depends on it
         opt_state = self._opt_state
         logger = jax.process_index() == 0
-        for epoch in range(epochs):
+        for epoch in range(start_epoch, epochs):
+            first = start_step if epoch == start_epoch else 0
             bar = ProgressBar(len(data), f"epoch {epoch + 1}/{epochs}", enabled=bool(verbose) and logger)
-            results, pending = [], None
-            for i, batch in enumerate(data.batches(epoch)):
+            results: list[Any] = list(partial) if epoch == start_epoch else []
+            pending = None
+            for i, batch in enumerate(data.batches(epoch, start=first), start=first):
                 bx, by = batch.data
                 params, stats, rest, opt_state, metrics = step(params, stats, rest, opt_state, bx, by, batch.mask)
                 results.append((metrics, batch.count))  # real rows: padding has mask 0
@@ -303,6 +328,10 @@ class Model:
                         jax.block_until_ready(pending)  # bounds the queue of collective steps
                         bar.update(i, pending)
                     pending = metrics
+                if every and data.global_step % every == 0 and i + 1 < len(data):
+                    self._opt_state = opt_state
+                    self._store(params, stats, rest)
+                    saving.record_fit(self, checkpoint, data, results)
             host = jax.device_get(results)
             epoch_values = _weighted(host)
             bar.update(len(data), epoch_values, final=True)
@@ -313,6 +342,7 @@ class Model:
             if validation_data is not None:
                 for name, value in self.evaluate(*validation_data, batch_size=batch_size).items():
                     self.history.setdefault(f"val_{name}", []).append(value)
+            saving.record_fit(self, checkpoint, data, [])
         nnx.update(self.module, params)  # in case epochs == 0 left nothing stored
         return self.history
 
@@ -375,13 +405,10 @@ class Model:
         else:
             opt_state = jax.jit(self.optimizer.init)(params)
         saved, self._saved_opt_state = self._saved_opt_state, None
-        if saved:  # restored by load(): same values, placed like the fresh state
+        if saved is not None:  # from another placement or a msgpack file: same values, placed like the fresh state
             fresh, treedef = jax.tree.flatten(opt_state)
-            if len(fresh) != len(saved):
-                raise ValueError(f"The checkpoint's optimizer state has {len(saved)} arrays; this optimizer has "
-                                 f"{len(fresh)}. Load it into a Model with the same optimizer.")
-            opt_state = jax.tree.unflatten(treedef, [jax.device_put(np.asarray(saved[str(i)], old.dtype), old.sharding)
-                                                     for i, old in enumerate(fresh)])
+            opt_state = jax.tree.unflatten(treedef, [jax.device_put(jax.numpy.asarray(old_value, new.dtype), new.sharding)
+                                                     for old_value, new in zip(jax.tree.leaves(saved), fresh)])
         return opt_state
 
     def _maybe_local(self, stats: Any) -> Any:
@@ -419,36 +446,41 @@ class Model:
         policy, else ``None``."""
         return self._local_stats
 
-    def save(self, path: str) -> None:
-        """Write parameters, BatchNorm statistics and the optimizer state (flax msgpack); only the
-        logger process writes. RNG state is not saved."""
-        import jax
-        from flax import nnx, serialization
+    def save(self, path: str, **extras: Any) -> str:
+        """Write a checkpoint directory at ``path`` (replacing an earlier checkpoint there):
+        parameters, BatchNorm statistics, RNG state and the optimizer state with orbax-checkpoint
+        (every process writes its own shards), and in the commit marker
+        ``polyparallel-checkpoint.json`` the topology written at, the last ``fit``'s position
+        (epoch, step, global batch), its history, and ``extras`` (numbers, strings, lists/dicts,
+        arrays). Every process calls it. Returns the absolute path.
 
-        self._finish_local_stats()
-        state = nnx.to_pure_dict(nnx.state(self.module, (nnx.Param, nnx.BatchStat)))
-        # Optimizer states hold NNX States, which msgpack cannot store: save their leaves in order
-        # and rebuild them on the structure of a freshly initialised state.
-        leaves = jax.tree.leaves(self._opt_state) if self._opt_state is not None else []
-        blob = {"module": state, "opt_state": {str(i): leaf for i, leaf in enumerate(leaves)}}
-        blob = _gather_host(blob)
-        if jax.process_index() == 0:
-            with open(path, "wb") as f:
-                f.write(serialization.msgpack_serialize(blob))
+        Atomic: written into ``path.partial-<token>``, committed (the marker last) and renamed to
+        ``path``, so a job killed while saving leaves nothing that loads. Under the ``local``
+        BatchNorm policy the per-device statistics are saved averaged.
+        """
+        from . import saving
 
-    def load(self, path: str) -> None:
-        """Restore what :meth:`save` wrote into this model (same module structure); the state is
-        placed again on the next ``fit``/``evaluate``."""
-        from flax import nnx, serialization
+        return saving.save_model(self, os.fspath(path), extras)
 
-        with open(path, "rb") as f:
-            blob = serialization.msgpack_restore(f.read())
-        state = nnx.state(self.module, (nnx.Param, nnx.BatchStat))
-        nnx.replace_by_pure_dict(state, blob["module"])
-        nnx.update(self.module, state)
-        self._placed, self._steps, self._local_stats = None, {}, None
-        self._opt_state = None
-        self._saved_opt_state = blob.get("opt_state") or None
+    def load(self, path: str, strategy: pp.Strategy | None = None, loader: ShardedArrays | None = None) -> dict[str, Any]:
+        """Restore what :meth:`save` wrote into this model, resharded to ``strategy``'s mesh
+        (default: the current placement, else the Model's strategy, else one device): each array
+        is read straight into the sharding this model gives it there, so a checkpoint written at
+        ``data=4, tensor=2`` loads at ``data=8`` or on one device. ``loader`` (host arrays
+        sharded by ``strategy.shard_data``) continues at the saved position.
+
+        Refused before anything is restored (``polyparallel.CheckpointError``): a directory
+        without the commit marker (half-written) or with truncated files, one written by another
+        model or optimizer (a leaf missing, unexpected, or of another shape: the error names it),
+        a ``loader`` whose global batch, seed, shuffling or data length differ. A flax msgpack
+        *file* written by the earlier ``Model.save`` is still read.
+
+        :return: ``{"epoch", "step", "global_step", **extras}`` (the saved position: ``None``
+            without one). ``fit(resume=path)`` continues from there exactly.
+        """
+        from . import saving
+
+        return saving.load_model(self, os.fspath(path), strategy, loader)
 
 
 def _split_state(module: Any) -> tuple[Any, Any, Any, Any]:
@@ -485,15 +517,3 @@ def _average(stacked: Any) -> Any:
         # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
         _AVERAGE = jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))
     return _AVERAGE(stacked)
-
-
-def _gather_host(tree: Any) -> Any:
-    import jax
-    from jax.experimental import multihost_utils
-
-    def one(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-
-    return jax.tree.map(one, tree)

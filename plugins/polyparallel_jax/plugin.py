@@ -13,7 +13,10 @@ never reaches torch. Within the JAX runtime, each operation owns its objects:
 - ``reduce_metrics``: numbers, ``jax.Array`` and ``polyparallel.Mean`` of them;
 - ``sync_states``: NNX modules and states, and mappings of ``jax.Array``;
 - ``process_info``: ranks are devices, not processes; ``launch``: JAX processes joined by
-  ``jax.distributed``.
+  ``jax.distributed``;
+- ``save_checkpoint``/``load_checkpoint`` (``Strategy.save``/``load``): a
+  :class:`polyparallel_jax.Model`, or an ``nnx.Module`` with an ``nnx.Optimizer``, and a
+  :class:`polyparallel_jax.ShardedArrays` loader (orbax-checkpoint, resharded to the reading mesh).
 """
 
 from __future__ import annotations
@@ -196,3 +199,74 @@ def _runtime_if_concrete(strategy: pp.Strategy, session: pp.Session) -> Any:
     from .runtime import runtime_for
 
     return None if inside_data_axis() else runtime_for(strategy, session)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def _checkpoint_objects(state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """(model, optimizer, loader) when this plugin owns them: a ``Model`` (which holds its own
+    optimizer state) or an ``nnx.Module`` (optionally an ``nnx.Optimizer``), a ``ShardedArrays``.
+    Other optimizers are refused with a ``CheckpointError`` (the plugin manager passes
+    polyparallel errors through unwrapped)."""
+    if "flax" not in sys.modules:
+        return None
+    from flax import nnx
+
+    from .data import ShardedArrays
+    from .model import Model
+
+    model, optimizer, loader = state.get("model"), state.get("optimizer"), state.get("loader")
+    if loader is not None and not isinstance(loader, ShardedArrays):
+        return None
+    if isinstance(model, Model):
+        if optimizer is not None:
+            raise pp.CheckpointError("A polyparallel_jax.Model holds its optimizer state: save/load it with model= only. "
+                            f"Received optimizer={type(optimizer).__name__}.")
+        return model, None, loader
+    if isinstance(model, nnx.Module) and not isinstance(model, nnx.Optimizer):
+        if optimizer is not None and not isinstance(optimizer, nnx.Optimizer):
+            raise pp.CheckpointError("With an nnx.Module, optimizer= must be a flax.nnx.Optimizer (its state is restored in "
+                            f"place). Received: {type(optimizer).__name__}.")
+        return model, optimizer, loader
+    return None
+
+
+@pp.hookimpl
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
+    """A JAX model (``Model``, or ``nnx.Module`` + ``nnx.Optimizer``) and loader -> an
+    orbax-checkpoint directory under the core's commit marker; only on the JAX runtime."""
+    if session.runtime != RUNTIME:
+        return None
+    objects = _checkpoint_objects(state)
+    if objects is None:
+        return None
+    from . import saving
+    from .model import Model
+
+    model, optimizer, loader = objects
+    framework = state.get("framework") or "flax"
+    extras = {k: v for k, v in state.items() if k not in ("model", "optimizer", "loader", "framework")}
+    if isinstance(model, Model):
+        model._place(strategy)  # the Model saves from its placement on this strategy
+        return saving.save_model(model, path, extras, framework, loader)
+    return saving.save_module(strategy, path, model, optimizer, loader, framework, extras)
+
+
+@pp.hookimpl
+def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    """Restore a JAX checkpoint into ``state``'s objects, resharded to this strategy's mesh;
+    only on the JAX runtime."""
+    if session.runtime != RUNTIME:
+        return None
+    objects = _checkpoint_objects(state)
+    if objects is None:
+        return None
+    from . import saving
+    from .model import Model
+
+    model, optimizer, loader = objects
+    if isinstance(model, Model):
+        return saving.load_model(model, path, strategy, loader)
+    return saving.load_module(path, model, optimizer, loader)

@@ -1,26 +1,58 @@
-"""Lightning checkpoints of tensor-parallel models: one consolidated file, loadable anywhere.
+"""Lightning checkpoints as polyparallel checkpoints: one DCP directory, resharded on load.
 
-Under ``tensor > 1`` the runtime's plan turns some parameters (and their optimizer state) into
-DTensor shards. A Lightning checkpoint is one file written by one rank, so the shards are
-gathered to full tensors when the checkpoint is dumped (:func:`to_full`, a collective over each
-tensor group that every rank joins, as Lightning calls ``dump_checkpoint`` on every rank), and cut
-back into this rank's shards when loaded into a model that is already parallelised
-(:func:`localize_state`, :func:`localize_optimizer`; local slicing, no communication). A
-checkpoint written at ``tensor=2`` therefore loads at ``tensor=1`` and vice versa.
+``ModelCheckpoint``, ``trainer.save_checkpoint(path)`` and ``trainer.fit(ckpt_path=path)`` go
+through :class:`CheckpointMixin` (shared by both stages' strategies), which Lightning calls through
+its public ``Strategy`` extension points, as its own ``ModelParallelStrategy`` does for
+distributed checkpoints:
+
+- ``save_checkpoint(checkpoint, path)``: the model and optimizer are written by
+  ``strategy.save(path, model=, optimizer=, framework="lightning", lightning=...)`` — the torch
+  runtime's ``torch.distributed.checkpoint`` directory, each shard written once, committed
+  atomically — and the rest of Lightning's checkpoint dictionary (epoch, global step, loop
+  progress with the training loader's position, callback states, LR schedulers, hyperparameters)
+  rides along as the ``lightning`` extra (plain data and tensors only: nothing is unpickled on load).
+- ``load_checkpoint(path)``: ``strategy.load(path, model=, optimizer=)`` restores the model and
+  optimizer in place at *this* topology (written at data=2 x tensor=2, read at data=4, or in a
+  plain loop / Ignite / a single process), then hands Lightning its dictionary back to restore
+  loops, callbacks and schedulers. ``restore_checkpoint_after_setup`` is true, so the model is
+  wrapped (DDP, DTensor shards, FSDP2) and its optimizers exist when the checkpoint is read.
+
+The training loader's position (epoch, batches consumed) reaches Lightning's fit loop through
+the ``ResumableLoader`` (:func:`resumable_loader_class`: the ``ShardedLoader`` that
+``strategy.shard_data`` made, whose ``state_dict`` / ``load_state_dict`` Lightning 2.4-2.6 saves in
+``loops`` and restores before the first batch, Lightning's "stateful dataloader" protocol), so a
+run stopped in the middle of an epoch continues with the remaining batches of that epoch, in the
+order of an uninterrupted run, without Lightning's warning about a loader that is not resumable.
+It is also saved as ``loader=``, so Ignite or a plain loop resumes from the same position.
+
+Older checkpoints still load: a *file* (the consolidated checkpoint earlier versions of the
+adapter wrote at stage 0, full tensors) goes through Lightning's ``CheckpointIO`` and is cut into
+this rank's shards (:func:`localize_state`, :func:`localize_optimizer`; local slicing, no
+communication); a directory written by Lightning's ``ModelParallelStrategy`` (earlier versions
+of the adapter at stages 1-3: it holds ``meta.pt``) goes through that strategy's own loader.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+import polyparallel as pp
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["is_tensor_parallel", "to_full", "localize_state", "localize_optimizer"]
+__all__ = ["CheckpointMixin", "is_tensor_parallel", "localize_state", "localize_optimizer"]
+
+#: What Lightning's checkpoint dictionary holds that the polyparallel checkpoint stores itself.
+_TENSOR_STATE = ("state_dict", "optimizer_states")
+#: The file a directory written by Lightning's ModelParallelStrategy holds (its own format).
+_LIGHTNING_METADATA = "meta.pt"
 
 
 def _dtensor_type() -> type[DTensor]:
@@ -33,20 +65,6 @@ def is_tensor_parallel(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a DTensor (the plan was applied already)."""
     dtensor = _dtensor_type()
     return any(isinstance(p, dtensor) for p in module.parameters())
-
-
-def to_full(obj: Any) -> Any:
-    """``obj`` (nested dicts/lists/tuples of tensors) with every DTensor gathered to a full tensor."""
-    dtensor = _dtensor_type()
-    if isinstance(obj, dtensor):
-        return obj.full_tensor()
-    if isinstance(obj, Mapping):
-        return {k: to_full(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_full(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_full(v) for v in obj)
-    return obj
 
 
 def _shard_like(full: torch.Tensor, like: Any) -> Any:
@@ -81,3 +99,181 @@ def localize_optimizer(optimizer: torch.optim.Optimizer) -> None:
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and not isinstance(value, dtensor) and value.shape == param.shape:
                     state[key] = _shard_like(value, param)
+
+
+def epoch_length_loader(loader: Any) -> Any:
+    """``loader`` (a ``ShardedLoader`` from ``strategy.shard_data``) as a :class:`ResumableLoader`:
+    the same dataset, sampler and options; anything else is returned as it is."""
+    from polyparallel_torch.data import ShardedLoader, _loader_options
+
+    if type(loader) is not ShardedLoader:
+        return loader
+    return resumable_loader_class()(loader.dataset, batch_size=loader.batch_size, sampler=loader.sampler,
+                                    **_loader_options(loader))
+
+
+@functools.cache
+def resumable_loader_class() -> type:
+    """:class:`ResumableLoader`, built on first use (``ShardedLoader`` imports torch)."""
+    from polyparallel_torch.data import ShardedLoader
+
+    class ResumableLoader(ShardedLoader):
+        """The training loader Lightning runs: a ``ShardedLoader`` (``state_dict`` /
+        ``load_state_dict``, which Lightning's fit loop saves in ``loops`` and restores before the
+        first batch of a resumed run) whose ``len()`` is always the whole epoch's.
+
+        Lightning counts a resumed epoch from its own progress (batches already done, restored
+        from the checkpoint) up to ``len(loader)``, as for torchdata's ``StatefulDataLoader``: a
+        length shortened by the consumed batches would end the resumed epoch early."""
+
+        def __len__(self) -> int:
+            sampler = self.sampler
+            batches, rest = divmod(sampler._len, self.batch_size)  # type: ignore[attr-defined]
+            return batches + int(bool(rest) and not self.drop_last)
+
+    ResumableLoader.__module__ = __name__
+    return ResumableLoader
+
+
+def _plain(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (``_optimizer``, public as ``optimizer``)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+class CheckpointMixin:
+    """Lightning's checkpoint hooks over ``strategy.save`` / ``strategy.load`` (module docstring).
+
+    Mixed into both stages' strategies; a stage supplies :meth:`_load_legacy_directory` for the
+    directories its earlier versions wrote.
+    """
+
+    _pp: Any
+    #: How the checkpoint being restored was read: "polyparallel", "file" (consolidated) or "lightning".
+    _restored_from: str | None = None
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """States synchronised (the StatePolicy; every rank runs it, as Lightning dumps a checkpoint
+        on every rank), then the module's own (sharded) state dict — no gathering: the
+        checkpoint writes each shard where it lives."""
+        self.sync_states()  # type: ignore[attr-defined]
+        return self.lightning_module.state_dict()  # type: ignore[attr-defined]
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's own (sharded) state dict; the checkpoint reads the live optimizer."""
+        return _plain(optimizer).state_dict()
+
+    def _checkpoint_optimizer(self, checkpoint: Mapping[str, Any]) -> Any:
+        """The one optimizer to save with the model, or ``None`` for a weights-only checkpoint."""
+        if "optimizer_states" not in checkpoint:
+            return None
+        optimizers = [_plain(o) for o in self.optimizers]  # type: ignore[attr-defined]
+        if len(optimizers) > 1:
+            raise TypeError(f"The polyparallel Lightning checkpoint holds one optimizer; configure_optimizers "
+                            f"returned {len(optimizers)}. Use one optimizer (parameter groups for different "
+                            "settings), or save_weights_only=True.")
+        return optimizers[0] if optimizers else None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write ``checkpoint`` as one polyparallel checkpoint directory at ``filepath`` (every rank
+        calls it; rank 0's path is used). ``storage_options`` is refused: the runtime writes the
+        directory, not Lightning's ``CheckpointIO``."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the "
+                            "checkpoint is written by torch.distributed.checkpoint, not a CheckpointIO.")
+        path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
+        optimizer = self._checkpoint_optimizer(checkpoint)
+        lightning = {k: v for k, v in checkpoint.items() if k not in _TENSOR_STATE}
+        state: dict[str, Any] = {"model": self.lightning_module, "framework": "lightning",  # type: ignore[attr-defined]
+                                 "lightning": lightning}
+        if optimizer is not None:
+            state["optimizer"] = optimizer
+        loader = self._train_loader()
+        if loader is not None:
+            state["loader"] = loader  # its position, for a resume outside Lightning (Ignite, a plain loop)
+        self._pp.save(path, **state)
+
+    def _train_loader(self) -> Any:
+        """The training loader ``strategy.shard_data`` made for the (last) fit, if any."""
+        from polyparallel_torch.data import ShardedLoader
+
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is None:
+            return None
+        loader = trainer.train_dataloader
+        return loader if isinstance(loader, ShardedLoader) else None
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint (a directory, or an older file) once, after every rank is past it."""
+        self.barrier("remove_checkpoint")  # type: ignore[attr-defined]
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
+
+    # -- loading ---------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True: the checkpoint is read into the wrapped model and its optimizers (shards exist)."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Whether Lightning loads the optimizer state itself: only from an older consolidated file
+        (a polyparallel checkpoint restored it already in :meth:`load_checkpoint`)."""
+        return self._restored_from == "file"
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Restore the model (and optimizer, when fitting) from ``checkpoint_path`` at this topology;
+        return Lightning's dictionary (loops, callbacks, schedulers) for it to restore the rest.
+
+        :param weights_only: Lightning's (2.6) option for ``torch.load``; used for older files
+            only (a polyparallel checkpoint never unpickles objects).
+        """
+        path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
+        if os.path.isfile(path):
+            self._restored_from = "file"
+            options = {} if weights_only is None else {"weights_only": weights_only}
+            return self.checkpoint_io.load_checkpoint(path, **options)  # type: ignore[attr-defined]
+        if os.path.isfile(os.path.join(path, _LIGHTNING_METADATA)):
+            self._restored_from = "lightning"
+            return self._load_legacy_directory(path, weights_only)
+        self._restored_from = "polyparallel"
+        state: dict[str, Any] = {"model": self.lightning_module}  # type: ignore[attr-defined]
+        optimizers = [_plain(o) for o in self.optimizers]  # type: ignore[attr-defined]
+        if len(optimizers) == 1:
+            state["optimizer"] = optimizers[0]
+        elif len(optimizers) > 1:
+            raise TypeError(f"The polyparallel Lightning checkpoint holds one optimizer; this module has "
+                            f"{len(optimizers)}.")
+        restored = self._pp.load(path, **state)
+        lightning = restored.get("lightning")
+        if not isinstance(lightning, dict):
+            raise pp.CheckpointError(
+                f"{path!r} is a polyparallel checkpoint written outside Lightning (Ignite, a plain loop): it holds "
+                "no Lightning loop state. Its model and optimizer were loaded; to train on from them, call "
+                "strategy.load(path, model=module, optimizer=optimizer) yourself and fit without ckpt_path=.")
+        return dict(lightning)
+
+    def _load_legacy_directory(self, path: str, weights_only: bool | None) -> dict[str, Any]:
+        """A checkpoint directory in Lightning's own ``ModelParallelStrategy`` format."""
+        raise ValueError(f"{path!r} is a checkpoint directory written by Lightning's ModelParallelStrategy "
+                         "(it holds meta.pt); load it with Strategy(zero=1|2|3), whose Lightning strategy reads it.")
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Only for an older consolidated file: its full tensors, cut into this rank's shards
+        (a polyparallel checkpoint was restored in :meth:`load_checkpoint`)."""
+        if self._restored_from != "file":
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        state = checkpoint["state_dict"]
+        if is_tensor_parallel(module):
+            state = localize_state(state, module)
+        module.load_state_dict(state, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Only for an older consolidated file: optimizer states, cut into shards."""
+        if self._restored_from != "file":
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):  # type: ignore[attr-defined]
+            optimizer = _plain(optimizer)
+            optimizer.load_state_dict(state)
+            localize_optimizer(optimizer)

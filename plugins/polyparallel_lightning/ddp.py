@@ -1,15 +1,16 @@
 """Stage 0 (replicas): the adapter's Lightning strategy over Lightning's ``DDPStrategy``.
 
 The model goes through ``strategy.wrap_model``: DDP over the data sub-mesh (data only), or the
-runtime's tensor-parallel plan (``tensor > 1``). Checkpoints are one consolidated file (tensor
-shards gathered), written by the first rank with the ``checkpoint`` role, loadable at any
-topology and into a plain module (:mod:`.checkpoint`).
+runtime's tensor-parallel plan (``tensor > 1``). Checkpoints are polyparallel checkpoints (one
+``torch.distributed.checkpoint`` directory, each shard written once, loadable at any topology and
+into a plain module; :mod:`.checkpoint`).
 
 **Lightning names relied on** beyond :mod:`.strategy`'s, all public: ``DDPStrategy.__init__``'s
 arguments, ``setup_distributed`` (called by ``DDPStrategy.setup_environment``), ``configure_ddp``
 (called by ``DDPStrategy.setup`` when fitting), ``setup_precision_plugin``, ``model_to_device``,
 ``lightning_module_state_dict``, ``optimizer_state``, ``save_checkpoint``, ``remove_checkpoint``,
-``load_model_state_dict``, ``load_optimizer_state_dict``, ``optimizers``. DDP communication hooks
+``load_checkpoint``, ``load_model_state_dict``, ``load_optimizer_state_dict``,
+``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``, ``optimizers``. DDP communication hooks
 (``ddp_comm_hook=``, ``ddp_comm_state=``, ``ddp_comm_wrapper=``) are registered with torch's public
 ``DistributedDataParallel.register_comm_hook``, as Lightning does (on CUDA only: Lightning's rule).
 """
@@ -17,7 +18,6 @@ arguments, ``setup_distributed`` (called by ``DDPStrategy.setup_environment``), 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -86,48 +86,6 @@ class DDPMixin(StrategyMixin):
                 self.model = self._wrap(self.model)
             self.setup_precision_plugin()  # type: ignore[attr-defined]
         self._after_setup(trainer)
-
-    # -- checkpoints: one consolidated file -----------------------------------------------------------------
-    @property
-    def writes_checkpoints(self) -> bool:
-        """Whether this rank writes Lightning's (consolidated) checkpoint files: the first rank with
-        the ``checkpoint`` role."""
-        return self.global_rank == self.topology.ranks_with_role("checkpoint")[0]  # type: ignore[attr-defined]
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """States synchronised, then tensor-parallel shards gathered (every rank calls this)."""
-        self.sync_states()
-        state = super().lightning_module_state_dict()  # type: ignore[misc]
-        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Optimizer state with tensor-parallel shards gathered."""
-        state = super().optimizer_state(optimizer)  # type: ignore[misc]
-        return checkpoint.to_full(state) if self.topology.size("tensor") > 1 else state
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Write the file once, on :attr:`writes_checkpoints`."""
-        if self.writes_checkpoints:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a file the writer wrote."""
-        if self.writes_checkpoints:
-            self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
-
-    def load_model_state_dict(self, checkpoint_: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a consolidated checkpoint, into shards if the model is parallelised already."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        state = checkpoint_["state_dict"]
-        if checkpoint.is_tensor_parallel(module):
-            state = checkpoint.localize_state(state, module)
-        module.load_state_dict(state, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint_: Mapping[str, Any]) -> None:
-        """Load optimizer states; full tensors of sharded parameters are cut into shards."""
-        super().load_optimizer_state_dict(checkpoint_)  # type: ignore[misc]
-        for optimizer in self.optimizers:  # type: ignore[attr-defined]
-            checkpoint.localize_optimizer(getattr(optimizer, "optimizer", optimizer))  # LightningOptimizer.optimizer
 
 
 #: ``ddp_strategy_class(namespace)``: :class:`DDPMixin` over the ``DDPStrategy`` of a Lightning

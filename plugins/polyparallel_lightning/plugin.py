@@ -43,7 +43,8 @@ def adapt(strategy: pp.Strategy, namespace: str | None = None, **kwargs: Any) ->
     :param namespace: ``"lightning.pytorch"`` (``import lightning``) or ``"pytorch_lightning"``; by
         default the one already imported (see :mod:`polyparallel_lightning.namespaces`).
     :param kwargs: ``plan=`` (tensor-parallel plan) and the Lightning base class's arguments:
-        ``DDPStrategy``'s at stage 0, ``save_distributed_checkpoint=`` at stages 1-3.
+        ``DDPStrategy``'s at stage 0, ``save_distributed_checkpoint=True`` at stages 1-3
+        (checkpoints are always polyparallel DCP directories).
     :raises ImportError: Lightning is not installed; the message names ``polyparallel[lightning]``.
     """
     from .namespaces import resolve_namespace

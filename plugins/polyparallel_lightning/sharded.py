@@ -13,17 +13,14 @@ FSDP2 gathers a module's parameters in the module's forward hooks, and Lightning
 the wrapped module's ``forward`` (as Lightning routes steps through a DDP wrapper) and FSDP2's
 hooks run around it.
 
-Checkpoints are what ``ModelParallelStrategy`` writes: one logical checkpoint through
-``torch.distributed.checkpoint`` (a folder: each rank writes its shards, rank 0 the metadata),
-which loads at another data size (DCP reshards on load) and resumes with ``ckpt_path=``;
-``adapt('lightning', save_distributed_checkpoint=False)`` writes one full file instead.
+Checkpoints are polyparallel checkpoints (:mod:`.checkpoint`): one ``torch.distributed.checkpoint``
+directory written through ``strategy.save`` (each rank its shards), which loads at another topology,
+in another framework or in one process. Directories Lightning's ``ModelParallelStrategy`` wrote
+(earlier versions of the adapter: they hold ``meta.pt``) are still read, by that strategy's loader.
 
 **Lightning names relied on** beyond :mod:`.strategy`'s, all public: ``ModelParallelStrategy``
-(its ``__init__`` arguments ``save_distributed_checkpoint``, ``process_group_backend``,
-``timeout``; the inherited ``lightning_module_state_dict``, ``optimizer_state``,
-``save_checkpoint``, ``load_checkpoint``, ``load_model_state_dict``,
-``load_optimizer_state_dict``, ``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``,
-``setup_optimizers``, ``tensor_init_context``, ``model_to_device``), ``device_mesh``,
+(its ``__init__`` arguments ``process_group_backend``, ``timeout``; ``load_checkpoint`` for
+its own older directories; ``setup_optimizers``, ``tensor_init_context``, ``model_to_device``), ``device_mesh``,
 ``Strategy.training_step``/``validation_step``/``test_step``/``predict_step`` and the precision
 plugin's ``train_step_context``/``val_step_context``/``test_step_context``/``predict_step_context``,
 ``accelerator.setup_device``/``setup``, ``setup_precision_plugin``.
@@ -37,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from .checkpoint import CheckpointMixin
 from .namespaces import per_namespace_class
 from .strategy import StrategyMixin
 
@@ -57,8 +55,8 @@ def is_sharded(module: nn.Module) -> bool:
 class ShardedMixin(StrategyMixin):
     """Stages 1-3 over Lightning's ``ModelParallelStrategy`` (module docstring; :class:`StrategyMixin`).
 
-    :param kwargs: ``save_distributed_checkpoint=`` (default ``True``: one logical DCP checkpoint;
-        ``False``: one full file written by rank 0).
+    :param kwargs: none (``save_distributed_checkpoint=True`` is accepted for compatibility: the
+        checkpoint is always one polyparallel DCP directory).
     """
 
     def _init_lightning(self, environment: Any, timeout: timedelta, kwargs: dict[str, Any]) -> None:
@@ -69,9 +67,15 @@ class ShardedMixin(StrategyMixin):
                 f"save_distributed_checkpoint= only (Lightning's ModelParallelStrategy); received {unknown}. "
                 "DDP options (find_unused_parameters=, ...) apply at zero=0."
             )
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise TypeError(
+                "adapt('lightning', save_distributed_checkpoint=False): the adapter always writes one polyparallel "
+                "checkpoint directory (torch.distributed.checkpoint). For one full file, load it into a plain module "
+                "in one process (strategy.load(path, model=module) with pp.Strategy(data=1)) and torch.save its "
+                "state_dict()."
+            )
         # No sizes: Lightning's own mesh is never built (setup_environment uses the runtime's).
         super(StrategyMixin, self).__init__(  # type: ignore[call-arg]  # the Lightning base class
-            save_distributed_checkpoint=kwargs.get("save_distributed_checkpoint", True),
             process_group_backend=self._pp.backend, timeout=timeout)
         self.cluster_environment = environment
 
@@ -102,10 +106,12 @@ class ShardedMixin(StrategyMixin):
         self.setup_precision_plugin()  # type: ignore[attr-defined]
         self._after_setup(trainer)
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """States synchronised (the StatePolicy), then Lightning's (sharded) state dict."""
-        self.sync_states()
-        return super().lightning_module_state_dict()  # type: ignore[misc]
+    def _load_legacy_directory(self, path: str, weights_only: bool | None) -> dict[str, Any]:
+        """A directory in Lightning's ``ModelParallelStrategy`` format (what earlier versions of the
+        adapter wrote at stages 1-3): read by that strategy's own ``load_checkpoint``, which
+        restores the model and optimizers itself."""
+        options = {} if weights_only is None else {"weights_only": weights_only}  # Lightning 2.4 lacks it
+        return super(CheckpointMixin, self).load_checkpoint(path, **options)  # type: ignore[misc]
 
     # -- steps run through the sharded module's forward -------------------------------------------------
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:

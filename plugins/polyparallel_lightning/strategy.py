@@ -26,6 +26,8 @@ gradients                     ``strategy.sync_grads(model)`` after the closure, 
                               all-reduce (Lightning's epoch means are batch-size weighted)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
                               before each checkpoint (the ``StatePolicy``)
+checkpoints                   ``strategy.save``/``strategy.load``: one DCP directory that reshards
+                              (:mod:`.checkpoint`); the training loader resumes mid-epoch
 decisions, barriers           over the world (every rank must agree to stop or to save)
 ============================  =================================================================
 
@@ -37,7 +39,11 @@ decisions, barriers           over the world (every rank must agree to stop or t
 ``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin``,
 ``cluster_environment``, ``parallel_devices``, ``world_size``/``global_rank``/``local_rank``,
 ``num_processes``/``num_nodes``, ``checkpoint_io``, ``lightning_fabric...reset_seed``, the
-``LightningEnvironment`` cluster environment, ``trainer.state``; the stage-specific names are
+``LightningEnvironment`` cluster environment, ``trainer.state``; for checkpoints (:mod:`.checkpoint`)
+``save_checkpoint``, ``load_checkpoint``, ``remove_checkpoint``, ``lightning_module_state_dict``,
+``optimizer_state``, ``load_model_state_dict``, ``load_optimizer_state_dict``,
+``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``, ``trainer.train_dataloader``
+and the fit loop's resumable-loader protocol (a train loader with ``state_dict``/``load_state_dict``); the stage-specific names are
 listed in :mod:`.ddp` and :mod:`.sharded`. Private, read or wrapped but never overridden:
 ``_layer_sync`` (the ``sync_batchnorm`` plugin Lightning's connector sets on every
 ``ParallelStrategy``; read to refuse it under tensor replicas) and the Trainer's
@@ -74,6 +80,7 @@ from torch import nn
 
 import polyparallel as pp
 
+from .checkpoint import CheckpointMixin
 from .environment import environment_class, launched_externally
 from .namespaces import NAMESPACES, Namespace
 
@@ -88,7 +95,7 @@ _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environ
                   "data_parallel_size": "Strategy(data=...)", "tensor_parallel_size": "Strategy(tensor=...)"}
 
 
-class StrategyMixin:
+class StrategyMixin(CheckpointMixin):
     """The polyparallel behaviour shared by the adapter's Lightning strategies (module docstring).
 
     :param polyparallel_strategy: the :class:`polyparallel.Strategy` that decides everything.
@@ -381,7 +388,8 @@ class StrategyMixin:
     def process_dataloader(self, dataloader: Any) -> Any:
         """Replace the ``DistributedSampler`` Lightning injected from :attr:`distributed_sampler_kwargs`
         by ``strategy.shard_data``: the DataPolicy's remainder for training, ``"uneven"`` for
-        evaluation. Loaders with other samplers are left as Lightning made them."""
+        evaluation. Loaders with other samplers are left as Lightning made them. The training
+        loader is resumable (:func:`.checkpoint.epoch_length_loader`)."""
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         from torch.utils.data import DataLoader, DistributedSampler
 
@@ -393,9 +401,12 @@ class StrategyMixin:
         overrides: dict[str, Any] = {"shuffle": sampler.shuffle}
         if not self._training():
             overrides["remainder"] = "uneven"
-        elif sampler.drop_last:
+            return self._pp.shard_data(dataloader, **overrides)
+        if sampler.drop_last:
             overrides["remainder"] = "drop"
-        return self._pp.shard_data(dataloader, **overrides)
+        from .checkpoint import epoch_length_loader
+
+        return epoch_length_loader(self._pp.shard_data(dataloader, **overrides))
 
     def _training(self) -> bool:
         module = self.lightning_module  # type: ignore[attr-defined]
@@ -450,7 +461,7 @@ def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None,
         :func:`~polyparallel_lightning.namespaces.resolve_namespace` (see it for the automatic rule).
     :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
     :param kwargs: passed to the Lightning base class: ``DDPStrategy`` at stage 0 (``start_method=``,
-        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=``.
+        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=True``.
     """
     cls = strategy_class(namespace.pytorch, strategy.shard_policy.stage)
     return cls(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "default_plan", "make_optimizer",
+__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "ShardedLoader", "default_plan", "make_optimizer",
            "save_checkpoint", "load_checkpoint"]
 
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
     if name in ("save_checkpoint", "load_checkpoint"):
         from . import checkpoint
         return getattr(checkpoint, name)
-    if name == "TopologySampler":
-        from .data import TopologySampler
-        return TopologySampler
+    if name in ("TopologySampler", "ShardedLoader"):
+        from . import data
+        return getattr(data, name)
     raise AttributeError(f"module 'polyparallel_torch' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSamp
 
 import polyparallel as pp
 
-__all__ = ["TopologySampler", "shard_loader"]
+__all__ = ["ShardedLoader", "TopologySampler", "shard_loader"]
 
 
 class TopologySampler(Sampler[int]):
@@ -46,6 +46,9 @@ class TopologySampler(Sampler[int]):
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch = 0
         self.pinned = False  # True once set_epoch was called: the epoch no longer advances by itself
+        # (epoch, samples to skip): set when a loader is resumed mid-epoch; the next pass of that
+        # epoch starts after them (one pass only; a pass of another epoch drops it).
+        self.resume: tuple[int, int] | None = None
         # Called with the epoch at the start of every unpinned pass: a collective check that every
         # rank starts the same pass (None in one process, and when pickled into loader workers).
         self._agree = agree
@@ -71,10 +74,124 @@ class TopologySampler(Sampler[int]):
             self.epoch = epoch + 1
             if self._agree is not None:
                 self._agree(epoch)
-        return iter(self.indices(epoch))
+        start = self._take_resume(epoch)
+        return iter(self.indices(epoch)[start:])
+
+    def _take_resume(self, epoch: int) -> int:
+        resume, self.resume = self.resume, None
+        return resume[1] if resume is not None and resume[0] == epoch else 0
 
     def __len__(self) -> int:
+        # A resumed pass is shorter: what DataLoader's len() (and the loops reading it) must see.
+        if self.resume is not None and self.resume[0] == self.epoch:
+            return max(0, self._len - self.resume[1])
         return self._len
+
+
+class ShardedLoader(DataLoader):
+    """The ``DataLoader`` that ``shard_data`` returns: a plain ``DataLoader`` over a
+    :class:`TopologySampler` that also knows its position, for checkpoints (``Strategy.save(...,
+    loader=)``) and exact resumption.
+
+    It counts the batches it *yields* in each pass (not the indices its sampler handed out: with
+    workers, or prefetching, the sampler runs ahead of the training loop). The position is the
+    last pass started: its epoch and the batches consumed in it; once a pass is complete, the
+    next epoch with none consumed. Because :func:`polyparallel.shard_indices` gives data
+    coordinate ``d`` the positions ``d, d + D, d + 2D, ...`` of the epoch's order, step ``s`` of
+    any data size ``D`` consumes the global positions ``[s*B, (s+1)*B)`` for a global batch ``B``:
+    a count of batches is a position in the epoch at every topology with the same global batch.
+    """
+
+    _position: tuple[int, int] | None = None  # (epoch, batches consumed) of the pass in progress
+    _current: object | None = None  # the iterator that counts (the latest one made)
+    _finished_epoch: int | None = None  # the epoch of the last pass that ran to its end
+    global_step: int = 0  # batches yielded by every pass since the loader was made (or as restored)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        sampler = self.sampler
+        assert isinstance(sampler, TopologySampler)
+        epoch = sampler.epoch  # the epoch this pass uses (its sampler reads it when the pass starts)
+        start = sampler.resume[1] // self._per_rank() if sampler.resume and sampler.resume[0] == epoch else 0
+        iterator = _Counting(self, super().__iter__())
+        self._current, self._position = iterator, (epoch, start)
+        return iterator
+
+    def _per_rank(self) -> int:
+        if self.batch_size is None:
+            raise TypeError("a loader without batch_size has no position to save")
+        return self.batch_size
+
+    def _count(self, iterator: object) -> None:
+        if iterator is self._current and self._position is not None:
+            self._position = (self._position[0], self._position[1] + 1)
+            self.global_step += 1
+
+    def _finish(self, iterator: object) -> None:
+        if iterator is self._current and self._position is not None:
+            self._finished_epoch, self._position, self._current = self._position[0], None, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and what exact resumption needs to agree on: ``epoch``, ``batches``
+        (consumed of that epoch), ``global_step``, ``global_batch`` (this rank's batch size x
+        the data size), ``seed``, ``dataset_len``, ``shuffle``, ``remainder`` and ``pinned``.
+        The same on every rank of a data-parallel run that iterates alike."""
+        sampler = self.sampler
+        assert isinstance(sampler, TopologySampler)
+        if self._position is not None:
+            epoch, batches = self._position
+        elif sampler.resume is not None and sampler.resume[0] == sampler.epoch:  # restored, not yet resumed
+            epoch, batches = sampler.epoch, sampler.resume[1] // self._per_rank()
+        elif sampler.pinned and sampler.epoch == self._finished_epoch:
+            # A pinned sampler keeps the epoch of the pass it completed; the position is the next
+            # one all the same (a framework calls set_epoch(next) before its next pass).
+            epoch, batches = sampler.epoch + 1, 0
+        else:  # unpinned: the sampler moved on when the pass began
+            epoch, batches = sampler.epoch, 0
+        return {"epoch": epoch, "batches": batches, "global_step": self.global_step,
+                "global_batch": self._per_rank() * sampler.data_size, "seed": sampler.seed,
+                "dataset_len": sampler.dataset_len, "shuffle": sampler.shuffle, "remainder": sampler.remainder,
+                "pinned": sampler.pinned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (possibly of another data size): the next pass is
+        epoch ``state["epoch"]`` and skips its first ``state["batches"]`` global batches, so the
+        rest of the epoch is consumed exactly once, in the saved run's order.
+
+        :raises polyparallel.CheckpointError: the global batch, data set length, seed, shuffling
+            or remainder policy differ from the saved ones (the samples would differ).
+        """
+        from polyparallel import _checkpoints
+
+        _checkpoints.check_loader_resume("loader state", state, self.state_dict())
+        sampler = self.sampler
+        assert isinstance(sampler, TopologySampler)
+        epoch, batches = int(state["epoch"]), int(state["batches"])
+        sampler.epoch, sampler.pinned = epoch, bool(state.get("pinned", False))
+        sampler.resume = (epoch, batches * self._per_rank()) if batches else None
+        self._position, self._current, self._finished_epoch = None, None, None
+        self.global_step = int(state.get("global_step", 0))
+
+
+class _Counting:
+    """A ``ShardedLoader``'s iterator: the ``DataLoader`` iterator, counting what it yields."""
+
+    def __init__(self, loader: ShardedLoader, inner: Iterator[Any]):
+        self._loader, self._inner = loader, inner
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._loader._finish(self)
+            raise
+        self._loader._count(self)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
 
 
 def _per_rank_batch(global_batch: int | None, fallback: int | None, data_size: int) -> int | None:
@@ -143,8 +260,8 @@ def _pass_check(session: pp.Session, what: str) -> Callable[[int], None]:
 
 
 def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy,
-                 pass_check: Callable[[pp.Session, str], Callable[[int], None] | None] = _pass_check) -> DataLoader:
-    """A ``DataLoader`` over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``).
+                 pass_check: Callable[[pp.Session, str], Callable[[int], None] | None] = _pass_check) -> ShardedLoader:
+    """A :class:`ShardedLoader` (a ``DataLoader`` that knows its position) over this rank's shard of ``data`` (a ``Dataset`` or a ``DataLoader``).
 
     A loader keeps its options (workers, collate_fn, drop_last, pin_memory, generator, ...) and,
     unless the policy sets ``shuffle``, its shuffle choice; its ``batch_size`` is per rank unless
@@ -187,4 +304,4 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
     sampler = TopologySampler(length, session.coords["data"], data_size, seed=strategy.seed,
                               shuffle=shuffle, remainder=policy.remainder,
                               agree=pass_check(session, f"{length} samples, batch {batch}") if session.world_size > 1 else None)
-    return DataLoader(dataset, batch_size=batch, sampler=sampler, **options)
+    return ShardedLoader(dataset, batch_size=batch, sampler=sampler, **options)

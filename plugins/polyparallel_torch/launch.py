@@ -104,12 +104,19 @@ def _end_with_launcher(launcher: int) -> None:
 
 
 def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int,
-            port: int, outdir: str, args: tuple, kwargs: dict, launcher: int) -> None:
+            port: int, outdir: str, args: tuple, kwargs: dict, launcher: int, trace_dir: str | None = None,
+            trace_store: str | None = None) -> None:
     _end_with_launcher(launcher)
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    if trace_dir is not None:  # written when a collective fails and at exit (polyparallel._trace)
+        from polyparallel import _trace
+
+        _trace.configure(trace_dir, rank=local_rank, world_size=nprocs)
+    if trace_store is not None:  # the hang reports' side channel (tracing.py), served by the launcher
+        os.environ["POLYPARALLEL_TRACE_STORE"] = trace_store
     code = 1
     broken: str | None = "stopped by the launcher after another rank failed"
     try:
@@ -251,12 +258,13 @@ def _is_collective_failure(exc: BaseException) -> bool:
 
 
 def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
-                    timeout: float | None = None) -> list[Any]:
+                    timeout: float | None = None, trace_dir: str | None = None) -> list[Any]:
     """Run ``fn`` in ``nprocs`` spawned processes; results by rank. See :func:`polyparallel.launch`
     and the module documentation (teardown, error reporting).
 
     Refuses, before any process starts, a ``timeout`` that is not a positive number of seconds
     and a communication backend this machine cannot run (``nccl`` without enough CUDA devices).
+    With ``trace_dir``, every worker writes its collective trace there (``rank<r>.jsonl``).
     """
     timeout = _check_timeout(timeout)
     _check_backend(strategy.backend, nprocs)
@@ -265,9 +273,17 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
     remove_stale_launch_dirs()
     with _launch_dir() as outdir:
         context = None
+        from polyparallel import _trace
+
+        from .tracing import serve_store
+
+        # The side channel's store lives here, so a rank's report still reaches its peers after
+        # rank 0 (which holds the process group's store) has gone.
+        store, endpoint = serve_store() if nprocs > 1 and _trace.enabled() else (None, None)
         try:
             context = mp.start_processes(
-                _worker, args=(fn, strategy, nprocs, free_port(), outdir, args, kwargs, os.getpid()),
+                _worker, args=(fn, strategy, nprocs, free_port(), outdir, args, kwargs, os.getpid(), trace_dir,
+                               endpoint),
                 nprocs=nprocs, join=False, start_method="spawn",
             )
             _supervise(context.processes, outdir, nprocs, timeout)
@@ -278,6 +294,7 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
                 for process in context.processes:
                     # The pipes multiprocessing keeps per process, else open until garbage collection.
                     process.close()
+            del store
 
 
 def _check_timeout(timeout: Any) -> float | None:
@@ -479,7 +496,12 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
 
     ``options`` are the command's, validated by it: with no ``rdzv_endpoint`` (or port 0) on one
     node, the rendezvous is 127.0.0.1 on a free port; ``rdzv_timeout`` bounds how long the agents
-    wait for every node to join.
+    wait for every node to join; ``trace_dir`` makes every worker write its collective trace there.
+
+    Each worker runs the script through :mod:`polyparallel_torch.script`, which saves a failure
+    for the agent instead of printing its traceback: when workers fail, this prints the report of
+    the first failing rank (the earliest that is not a collective failure, as
+    :func:`launch_function` does) and one line per other failed rank.
     """
     from torch.distributed import run as torchrun
 
@@ -497,13 +519,30 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     ]
     if options.get("rdzv_timeout") is not None:
         argv.append(f"--rdzv-conf=join_timeout={max(1, math.ceil(options['rdzv_timeout']))}")
+    # With restarts, torchrun's default of sharing its rendezvous store with the workers hands a
+    # restarted worker the previous attempt's gloo/nccl addresses (pytorch/pytorch#135712: the
+    # restarted init_process_group fails with "Connection refused"); a store per attempt avoids
+    # it. Set only while torchrun runs, unless the user chose a value.
+    fresh_store = options.get("max_restarts", 0) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    if fresh_store:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if command and not command[0].startswith("-"):  # a script: run through the reporting wrapper
+        argv += ["-m", "polyparallel_torch.script"]
+    trace_dir = options.get("trace_dir")
+    saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
+    if trace_dir:  # the agent hands this process's environment to the workers
+        os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
     try:
-        torchrun.main([*argv, *command])
+        torchrun.run(torchrun.parse_args([*argv, *command]))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except Exception as exc:  # ChildFailedError: torchrun already printed the failing rank's error
+    except Exception as exc:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.elastic.rendezvous import RendezvousError
 
+        if isinstance(exc, ChildFailedError):
+            print(f"polyparallel launch: {_first_failure(exc.failures)}", file=sys.stderr, flush=True)
+            return 1
         hint = ""
         if isinstance(exc, RendezvousError):
             hint = (f" (rendezvous at {endpoint}, --nnodes {options.get('nnodes', 1)}). Not every node joined in "
@@ -511,4 +550,44 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
                     "with the same --nnodes and --rdzv-endpoint (a HOST:PORT all nodes reach) and its own --node-rank.")
         print(f"polyparallel launch: {_summary(exc)}{hint}", file=sys.stderr, flush=True)
         return 1
+    finally:
+        if fresh_store:
+            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if trace_dir:
+            if saved is None:
+                os.environ.pop("POLYPARALLEL_TRACE_DIR", None)
+            else:
+                os.environ["POLYPARALLEL_TRACE_DIR"] = saved
     return 0
+
+
+def _first_failure(failures: dict[int, Any]) -> str:
+    """The report of torchrun's failed workers: the root cause's traceback (the earliest failure
+    that is not a collective failure; else a rank that died without one; else the earliest), then
+    one line per other failed rank."""
+    records = {rank: f.error_file_data.get("polyparallel") for rank, f in failures.items()}
+    own = sorted((r for r, rec in records.items() if rec and not rec["collective"]), key=lambda r: records[r]["time"])
+    # SIGTERM is how the agent stops the other workers once one failed: a consequence, not a cause.
+    stopped = sorted(r for r, rec in records.items() if not rec and failures[r].exitcode == -signal.SIGTERM)
+    silent = sorted(r for r, rec in records.items() if not rec and r not in stopped)
+    collective = sorted((r for r, rec in records.items() if rec and rec["collective"]),
+                        key=lambda r: records[r]["time"])
+    root = (own or silent or collective or stopped)[0]
+    world = os.environ.get("WORLD_SIZE")  # not set in the agent; the failures name global ranks
+    others = []
+    for rank in sorted(failures):
+        if rank == root:
+            continue
+        rec = records[rank]
+        if rec:
+            kind = " (collective failure: probably a consequence)" if rec["collective"] else ""
+            others.append(f"  rank {rank}: {rec['summary']}{kind}")
+        else:
+            others.append(f"  rank {rank}: {failures[rank].message}")
+    tail = ("\nOther failed ranks:\n" + "\n".join(others)) if others else ""
+    rec = records[root]
+    of = f" of {world}" if world else ""
+    if rec:
+        return f"rank {root}{of} failed: {rec['summary']}\n{rec['traceback'].rstrip()}{tail}"
+    failure = failures[root]
+    return f"rank {root}{of} failed (exit code {failure.exitcode}): {failure.message}{tail}"

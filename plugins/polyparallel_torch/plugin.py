@@ -139,13 +139,32 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 
 @hookimpl
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
+    if session.runtime != RUNTIME:
+        return None
+    from .checkpoint import save
+
+    return save(strategy, path, state)
+
+
+@hookimpl
+def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    if session.runtime != RUNTIME:
+        return None
+    from .checkpoint import load
+
+    return load(strategy, path, state)
+
+
+@hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-                        timeout: float | None) -> list[Any] | None:
+                        timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
     if runtime != RUNTIME:
         return None
     from .launch import launch_function
 
-    return launch_function(fn, strategy, nprocs, args, kwargs, timeout)
+    return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)
 
 
 @hookimpl
@@ -161,3 +180,10 @@ def polyparallel_register_demos(register: Any) -> None:
 
     register("torch", run_demo)
     register("torch-zero3", run_demo_zero3)
+
+
+@hookimpl
+def polyparallel_register_advisors(register: Any) -> None:
+    from .advisor import TorchAdvisor  # imports no torch until a method runs
+
+    register(RUNTIME, TorchAdvisor())

@@ -26,14 +26,20 @@ destroyed, nor ``dist.group.WORLD`` through a mesh dimension that aliases it.
 all-reduce of ``[h, -h]`` with MAX over the operation's group, where ``h`` is a 62-bit blake2b
 hash of (operation, axis, per-axis sequence number, shapes and dtypes). All ranks agree iff
 ``max(h) == min(h)``; otherwise every rank of the group gathers the descriptors and raises
-:class:`polyparallel.CollectiveError` naming both sides ("sync_states #3 on rank 0 vs sync_grads
-#3 on rank 1 over the 'data' axis"), before any payload collective could mix a running mean with
-a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
+:class:`polyparallel.CollectiveError` naming both sides and where each was called ("sync_states #3
+on rank 0 vs sync_grads #3 on rank 1 (called at train.py:40 and train.py:42)"), before any payload
+collective could mix a running mean with a gradient. The check cannot see a skipped operation at the moment it is skipped (the skipping rank
 sends nothing): the ranks then pair one operation apart, and the first pairing of two different
 operations (or shapes) is reported; if the ops are all alike, the last one times out. Making the
 runtime is checked too, over the default group: ranks that made it with another topology,
 backend or timeout fail at once naming both. ``GradPolicy(check=False)`` skips the check of
 ``sync_grads``, the one operation on the hot path.
+
+**Trace.** Every operation (one entry for its check and payload) and every collective outside one
+(``collective`` + ``wait``) is recorded in the process's collective trace
+(:mod:`polyparallel._trace`; off with ``POLYPARALLEL_TRACE=0``). A timeout's error says what every
+rank of the group was doing, read through the side channel of :mod:`polyparallel_torch.tracing`
+(started when the groups are made), and a failure writes the trace to the trace directory.
 
 **Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any
 :class:`~polyparallel.CollectiveError`, a late peer may still be inside a collective of these
@@ -62,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 import polyparallel as pp
+from polyparallel import _trace
 
 __all__ = ["TorchRuntime", "default_device", "get_runtime", "runtime_key"]
 
@@ -122,6 +129,12 @@ class TorchRuntime:
         self._seq: dict[str, int] = {}  # per-axis sequence number of checked operations
         self._covered: dict[str, str] = {}  # axis -> the open operation whose check covers it
         self._at_close: list[Callable[[], None]] = []
+        # The collective trace (polyparallel._trace): None when POLYPARALLEL_TRACE=0.
+        self._rec = _trace.get_recorder()
+        if self._rec is not None:
+            self._rec.rank, self._rec.world_size = self.rank, self.world_size
+        self._unchecked: dict[str, _trace.Entry] = {}  # axis -> latest unchecked collective's entry
+        self.side_channel: Any = None
         if self.world_size > 1:
             try:
                 self._init_groups()
@@ -172,6 +185,12 @@ class TorchRuntime:
             _WORLD["group"] = dist.group.WORLD
         _WORLD["users"] += 1
         self._uses_world = True
+        # The hang reports' side channel (tracing.py), before the first check can time out.
+        from . import tracing
+
+        channel = self.side_channel = tracing.start(self)
+        if channel is not None:
+            self.at_close(lambda: tracing.release(channel))
         # Every rank makes the same runtime (a rank that made it with another timeout or topology
         # would pair its collectives wrongly): checked before the mesh, whose sub-group creation
         # would otherwise just wait for ranks that are not making it.
@@ -228,9 +247,12 @@ class TorchRuntime:
             _WORLD["group"] = None
 
     def mark_broken(self, reason: str) -> None:
-        """Refuse every later collective of this runtime (the first reason is kept)."""
+        """Refuse every later collective of this runtime (the first reason is kept); write the
+        trace now when a trace directory is set (the process may not reach its normal exit)."""
         if self.broken is None:
             self.broken = reason
+            if self._rec is not None:
+                self._rec.dump(reason, failed=True)
 
     # -- groups ---------------------------------------------------------------------------------------
     def group(self, axis: str) -> Any:
@@ -279,43 +301,76 @@ class TorchRuntime:
 
     # -- bounded collectives ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def collective(self, operation: str, axis: str, label: str | None = None) -> Iterator[None]:
+    def collective(self, operation: str, axis: str, label: str | None = None, *, record: bool = True,
+                   resume: bool = False) -> Iterator[None]:
         """Refuse to start on a broken runtime; turn any failure of the collectives inside into a
         :class:`polyparallel.CollectiveError` (or :class:`~polyparallel.CollectiveTimeout`) naming
         the operation (as ``label`` in the message, e.g. with its sequence number), the axis and
-        the rank, and mark the runtime broken."""
+        the rank, and mark the runtime broken.
+
+        Outside an :meth:`operation` on ``axis`` the collective is recorded in the trace as an
+        unchecked one (no sequence number); ``resume`` continues the latest such entry when it
+        has the same operation (the :meth:`wait` for the work an async collective started),
+        ``record=False`` records nothing (the identity check records its operation itself)."""
         self.ensure_usable(operation, axis)
+        entry = None
+        if record and self._rec is not None and axis not in self._covered:
+            last = self._unchecked.get(axis)
+            if resume and last is not None and last.operation == operation and self._rec.entries \
+                    and self._rec.entries[-1] is last:
+                entry, entry.state, entry.t1 = last, "entered", None
+            else:
+                entry = self._unchecked[axis] = self._rec.enter(operation, axis, None, label or "", skip=3)
         try:
             yield
-        except pp.CollectiveError as exc:
-            self.mark_broken(str(exc).splitlines()[0])
+        except BaseException as exc:
+            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            self._collective_failed(exc, operation, axis, label)
             raise
-        except pp.PolyparallelError:
-            raise
-        except RuntimeError as exc:  # gloo/nccl raise RuntimeError/DistBackendError with backend text
-            text = str(exc)
-            timed_out = "timeout" in text.lower() or "timed out" in text.lower()
-            kind = pp.CollectiveTimeout if timed_out else pp.CollectiveError
-            what = (f"did not complete within the strategy's timeout of {self.timeout_s:g} s"
-                    if timed_out else "failed")
-            error = kind(
-                f"{label or operation} over the {axis!r} axis {what} on rank {self.rank} (group ranks "
-                f"{self.group_ranks(axis)}): a peer did not join or has exited. Every rank of the group must call "
-                f"{operation}. Backend said: {text.splitlines()[0] if text else type(exc).__name__}",
-                operation=operation, axis=axis, rank=self.rank,
-            )
-            self.mark_broken(str(error))
-            raise error from exc
+        _trace.Recorder.finish(entry)
 
-    def wait(self, work: Any, operation: str, axis: str, label: str | None = None) -> None:
-        """Wait for an async collective no longer than the strategy's timeout."""
+    def _collective_failed(self, exc: BaseException, operation: str, axis: str, label: str | None) -> None:
+        """Mark the runtime broken for ``exc``; raise a backend error as a ``CollectiveError`` (with
+        the hang report of the group when it is a timeout)."""
+        if isinstance(exc, pp.CollectiveError):
+            self.mark_broken(str(exc).splitlines()[0])
+            return
+        if isinstance(exc, pp.PolyparallelError) or not isinstance(exc, RuntimeError):
+            return
+        # gloo/nccl raise RuntimeError/DistBackendError with backend text
+        text = str(exc)
+        timed_out = "timeout" in text.lower() or "timed out" in text.lower()
+        kind = pp.CollectiveTimeout if timed_out else pp.CollectiveError
+        what = (f"did not complete within the strategy's timeout of {self.timeout_s:g} s"
+                if timed_out else "failed")
+        summary, details = self._hang_report(axis) if timed_out else ("", "")
+        error = kind(
+            f"{label or operation} over the {axis!r} axis {what} on rank {self.rank} (group ranks "
+            f"{self.group_ranks(axis)}): {summary + '. ' if summary else 'a peer did not join or has exited. '}"
+            f"Every rank of the group must call {operation}. Backend said: "
+            f"{text.splitlines()[0] if text else type(exc).__name__}{details}",
+            operation=operation, axis=axis, rank=self.rank,
+        )
+        self.mark_broken(str(error).splitlines()[0])
+        raise error from exc
+
+    def _hang_report(self, axis: str) -> tuple[str, str]:
+        from .tracing import hang_report
+
+        return hang_report(self, axis)
+
+    def wait(self, work: Any, operation: str, axis: str, label: str | None = None, *, record: bool = True) -> None:
+        """Wait for an async collective no longer than the strategy's timeout (in the trace, the
+        wait continues the entry of the :meth:`collective` that started the work)."""
         if work is None:
             return
-        with self.collective(operation, axis, label):
+        with self.collective(operation, axis, label, record=record, resume=True):
             if not work.wait(self.timeout):
+                summary, details = self._hang_report(axis)
                 raise pp.CollectiveTimeout(
                     f"{label or operation} over the {axis!r} axis did not complete within the strategy's timeout of "
-                    f"{self.timeout_s:g} s on rank {self.rank} (group ranks {self.group_ranks(axis)}).",
+                    f"{self.timeout_s:g} s on rank {self.rank} (group ranks {self.group_ranks(axis)})"
+                    f"{': ' + summary if summary else ''}.{details}",
                     operation=operation, axis=axis, rank=self.rank,
                 )
 
@@ -330,44 +385,75 @@ class TorchRuntime:
             local rank then raises ``TypeError(refusal)``.
         :return: the operation's label in errors, ``"<operation> #<sequence number>"``.
         """
-        return self.start_check(operation, axis, detail, refusal)()
+        label, entry = self._check(operation, axis, detail, refusal)
+        _trace.Recorder.finish(entry)
+        return label
 
-    def start_check(self, operation: str, axis: str, detail: str = "",
-                    refusal: str | None = None) -> Callable[[], str]:
-        """:meth:`check` in two halves: start its all-reduce now and return the function that
-        waits for it and answers (returns the label or raises) as :meth:`check` does. The caller
-        may do local work in between (``sync_grads`` packs gradients while the check travels),
-        but must not start another collective before calling it."""
+    def _check(self, operation: str, axis: str, detail: str = "",
+               refusal: str | None = None) -> tuple[str, _trace.Entry | None]:
+        """:meth:`check`, returning the label and the operation's trace entry, left open (state
+        ``running``) for the caller to finish."""
+        return self.start_check(operation, axis, detail, refusal, skip=4)()
+
+    def start_check(self, operation: str, axis: str, detail: str = "", refusal: str | None = None,
+                    skip: int = 3) -> Callable[[], tuple[str, _trace.Entry | None]]:
+        """:meth:`check` in two halves: start its all-reduce now and return the function that waits
+        for it and answers as ``_check`` does; pass it as :meth:`operation`'s ``check``. The caller
+        may do local work in between (``sync_grads`` packs gradients while the check travels) but
+        must start no other collective before the answer."""
         self.ensure_usable(operation, axis)
         group = self.group(axis)
         if group is None:
-            return lambda: self._agreed(operation, refusal)
+            def agreed() -> tuple[str, _trace.Entry | None]:
+                if refusal is not None:
+                    raise TypeError(refusal)
+                return operation, None
+
+            return agreed
         seq = self._seq[axis] = self._seq.get(axis, 0) + 1
+        entry = None if self._rec is None else self._rec.enter(operation, axis, seq, detail, skip=skip)
         h = _hash62(f"{operation}\0{axis}\0{seq}\0{detail}\0{refusal or ''}")
         buf = torch.tensor([h, -h], dtype=torch.int64, device=self.device)
         name = f"{operation} #{seq}"
-        with self.collective(operation, axis, name):
-            work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        return lambda: self._finish_check(work, buf, group, operation, axis, seq, detail, refusal)
-
-    @staticmethod
-    def _agreed(label: str, refusal: str | None) -> str:
-        if refusal is not None:
-            raise TypeError(refusal)
-        return label
+        try:
+            with self.collective(operation, axis, name, record=False):
+                work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        except BaseException as exc:
+            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
+        return lambda: self._finish_check(work, buf, group, operation, axis, seq, detail, refusal, entry)
 
     def _finish_check(self, work: Any, buf: torch.Tensor, group: Any, operation: str, axis: str, seq: int,
-                      detail: str, refusal: str | None) -> str:
+                      detail: str, refusal: str | None, entry: _trace.Entry | None) -> tuple[str, _trace.Entry | None]:
         name = f"{operation} #{seq}"
-        self.wait(work, operation, axis, name)
+        try:
+            self.wait(work, operation, axis, name, record=False)
+        except BaseException as exc:
+            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
         high, neg_low = buf.tolist()
         if high == -neg_low:
-            return self._agreed(name, refusal)
-        # Every rank of the group saw the mismatch: all of them gather the descriptors.
+            if refusal is not None:
+                _trace.Recorder.finish(entry, f"refused: {refusal}")
+                raise TypeError(refusal)
+            if entry is not None:
+                entry.state = "running"
+            return name, entry
+        # Every rank of the group saw the mismatch: all of them gather the descriptors, with the
+        # caller's location (found again here when the trace is off: this path is rare).
+        from .tracing import mismatch_message, where_of
+
+        where = where_of(entry)
         out: list[Any] = [None] * len(self.group_ranks(axis))
-        with self.collective(operation, axis, f"{name} (identity check)"):
-            dist.all_gather_object(out, (self.rank, operation, seq, detail, refusal), group=group)
-        message = _mismatch_message((self.rank, operation, seq, detail, refusal), out, axis, self.group_ranks(axis))
+        mine = (self.rank, operation, seq, detail, refusal, where)
+        try:
+            with self.collective(operation, axis, f"{name} (identity check)", record=False):
+                dist.all_gather_object(out, mine, group=group)
+        except BaseException as exc:
+            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
+        message = mismatch_message(mine, out, axis, self.group_ranks(axis))
+        _trace.Recorder.finish(entry, message.splitlines()[0])
         self.mark_broken(message.splitlines()[0])
         if refusal is not None:
             raise TypeError(f"{refusal}\n{message}")
@@ -375,32 +461,53 @@ class TorchRuntime:
 
     @contextlib.contextmanager
     def operation(self, name: str, axis: str, detail: str = "",
-                  check: bool | Callable[[], str] = True) -> Iterator[str]:
+                  check: bool | Callable[[], tuple[str, _trace.Entry | None]] = True) -> Iterator[str]:
         """One polyparallel operation over ``axis``: :meth:`check` once (unless ``check`` is
         false; a function returned by :meth:`start_check` is finished instead), then the
-        collectives of the body over that axis skip their own checks. Yields the label for errors."""
-        label = (check() if callable(check) else self.check(name, axis, detail)) if check else name
+        collectives of the body over that axis skip their own checks. Yields the operation's
+        label; the trace holds one entry for the whole operation."""
+        if callable(check):
+            label, entry = check()
+        elif check:
+            label, entry = self._check(name, axis, detail)
+        else:
+            label = name
+            entry = None
+            if self._rec is not None and self.group(axis) is not None:
+                entry = self._rec.enter(name, axis, None, detail, skip=3)
+                entry.state = "running"
         previous = self._covered.get(axis)
         self._covered[axis] = label
         try:
             yield label
+        except BaseException as exc:
+            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
         finally:
             if previous is None:
                 self._covered.pop(axis, None)
             else:
                 self._covered[axis] = previous
+        _trace.Recorder.finish(entry)
 
-    def _checked(self, operation: str, axis: str, detail: str) -> str:
+    @contextlib.contextmanager
+    def _checked(self, operation: str, axis: str, detail: str) -> Iterator[str]:
+        # A direct collective: inside an operation on its axis it is covered by that operation's
+        # check (and trace entry), else it is an operation of its own.
         covered = self._covered.get(axis)
-        return covered if covered is not None else self.check(operation, axis, detail)
+        if covered is not None:
+            yield covered
+            return
+        with self.operation(operation, axis, detail) as label:
+            yield label
 
     def _all_reduce(self, tensor: torch.Tensor, op: str, operation: str, axis: str, group: Any,
-                    label: str | None = None) -> None:
+                    label: str | None = None, record: bool = True) -> None:
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                      "avg": dist.ReduceOp.SUM}[op]
-        with self.collective(operation, axis, label):
+        with self.collective(operation, axis, label, record=record):
             work = dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
-        self.wait(work, operation, axis, label)
+        self.wait(work, operation, axis, label, record=record)
 
     # -- collectives -------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str, operation: str, axis: str) -> torch.Tensor:
@@ -410,8 +517,8 @@ class TorchRuntime:
         group = self.group(axis)
         if group is None:
             return tensor
-        label = self._checked(operation, axis, f"all_reduce {op} {tensor.dtype} {list(tensor.shape)}")
-        self._all_reduce(tensor, op, operation, axis, group, label)
+        with self._checked(operation, axis, f"all_reduce {op} {tensor.dtype} {list(tensor.shape)}") as label:
+            self._all_reduce(tensor, op, operation, axis, group, label)
         if op == "avg":
             tensor.div_(self.topology.size(axis))
         return tensor
@@ -423,11 +530,11 @@ class TorchRuntime:
         group = self.group(axis)
         if group is None:
             return tensor
-        label = self._checked(operation, axis, f"broadcast from {src_coord} {tensor.dtype} {list(tensor.shape)}")
-        src = self.group_ranks(axis)[src_coord]
-        with self.collective(operation, axis, label):
-            work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-        self.wait(work, operation, axis, label)
+        with self._checked(operation, axis, f"broadcast from {src_coord} {tensor.dtype} {list(tensor.shape)}") as label:
+            src = self.group_ranks(axis)[src_coord]
+            with self.collective(operation, axis, label):
+                work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+            self.wait(work, operation, axis, label)
         return tensor
 
     def all_gather_object(self, obj: Any, operation: str, axis: str) -> list[Any]:
@@ -437,33 +544,10 @@ class TorchRuntime:
         group = self.group(axis)
         if group is None:
             return [obj]
-        label = self._checked(operation, axis, "all_gather_object")
         out: list[Any] = [None] * self.topology.size(axis)
-        with self.collective(operation, axis, label):
+        with self._checked(operation, axis, "all_gather_object") as label, self.collective(operation, axis, label):
             dist.all_gather_object(out, obj, group=group)
         return out
-
-
-def _mismatch_message(mine: tuple[Any, ...], everyone: list[Any], axis: str, ranks: list[int]) -> str:
-    def side(d: tuple[Any, ...], with_detail: bool) -> str:
-        text = f"{d[1]} #{d[2]}"
-        if d[4] is not None:
-            return f"{text} (refused: {d[4]})"
-        return f"{text} ({d[3]})" if with_detail and d[3] else text
-
-    other = next((d for d in everyone if d[1:] != mine[1:]), everyone[0])
-    detail = mine[1:3] == other[1:3]  # same operation and number: the shapes are what differs
-    lines = [
-        (f"operations out of step over the {axis!r} axis (group ranks {ranks}): {side(mine, detail)} on rank "
-         f"{mine[0]} vs {side(other, detail)} on rank {other[0]}."),
-        ("Every rank of a group must call the same polyparallel operations in the same order, with the same "
-         "shapes (a rank that skipped or added one is reported at its next operation); no payload was exchanged. "
-         "Each rank of the group called:"),
-        *(f"  rank {d[0]}: {side(d, True)}" for d in everyone),
-        ("The runtime is now broken (the ranks disagree on what comes next): fix the program and restart the "
-         "processes."),
-    ]
-    return "\n".join(lines)
 
 
 def _backend_options(backend: str, timeout: datetime.timedelta) -> Any:

@@ -238,7 +238,7 @@ def test_launch_hands_the_script_and_options_to_the_runtime(manager, invoke):
     (command, options), = launcher.calls
     assert command == ["train.py", "--lr", "0.1", "--tensor", "2"]  # the script's own options stay its own
     assert options == {"nproc_per_node": "4", "nnodes": "1", "node_rank": 0, "rdzv_endpoint": None,
-                       "rdzv_timeout": 300.0, "max_restarts": 2}
+                       "rdzv_timeout": 300.0, "max_restarts": 2, "trace_dir": None}
 
 
 def test_launch_multi_node_options_reach_the_runtime(manager, invoke):

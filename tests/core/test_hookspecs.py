@@ -19,8 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 import polyparallel as pp
+from polyparallel import _checkpoints, hookspecs
 from polyparallel import cli as cli_module
-from polyparallel import hookspecs
 
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if hasattr(fn, "polyparallel_spec")}
 FIVE_OPERATIONS = ("shard_data", "wrap_model", "sync_grads", "reduce_metrics", "sync_states")
@@ -94,6 +94,17 @@ class Recorder:
         register("recorded", lambda strategy, nprocs: {"framework": "recorded", "topology": repr(strategy.topology),
                                                        "final_loss": 0.5, "accuracy": 0.9, "step_time_ms": 1.0})
 
+    @pp.hookimpl
+    def polyparallel_register_advisors(self, register):
+        from polyparallel._advisor import LayerProfile, ModelProfile
+
+        self.calls.append(("polyparallel_register_advisors", {}))
+
+        class Advisor:
+            def profile(self, model, batch, seq_len):
+                return ModelProfile(model, "recorded-runtime", [LayerProfile("only", ((400, False),), flops=1e6)])
+        register("recorded-runtime", Advisor())
+
     @pp.hookimpl(tryfirst=True)
     def polyparallel_process_info(self, strategy):
         self.calls.append(("polyparallel_process_info", {"strategy": strategy}))
@@ -143,6 +154,21 @@ class Recorder:
     def polyparallel_sync_states(self, strategy, session, states):
         return self._operation("polyparallel_sync_states", states)
 
+    @pp.hookimpl
+    def polyparallel_save_checkpoint(self, strategy, session, path, state):
+        if not isinstance(state.get("model"), Subject):
+            return None
+        self.calls.append(("polyparallel_save_checkpoint", {"subject": state["model"], "path": path, "state": state,
+                                                            "session": session}))
+        return path + "!"
+
+    @pp.hookimpl
+    def polyparallel_load_checkpoint(self, strategy, session, path, state):
+        if not isinstance(state.get("model"), Subject):
+            return None
+        self.calls.append(("polyparallel_load_checkpoint", {"subject": state["model"], "path": path, "state": state}))
+        return {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
+
 
 #: (strategy on a manager holding the recorder, the recorder, run the CLI on that manager, a temporary folder)
 Case = Callable[[pp.Strategy, Recorder, Callable[..., Any], Path], None]
@@ -167,6 +193,15 @@ def _demos(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp
     assert result.exit_code == 0, result.output
     assert json.loads(result.output[result.output.index("["):])[0]["final_loss"] == 0.5
     assert rec.seen("polyparallel_register_demos")
+
+
+def _advisors(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    result = invoke("plan", "--model", "recorded:model", "--world", "2", "--batch", "4", "--json")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["model"][0]["model"] == "recorded:model" and out["model"][0]["runtime"] == "recorded-runtime"
+    assert [(c["data"], c["refused"]) for c in out["candidates"] if c["zero"] == 0][0] == (2, None)
+    assert rec.seen("polyparallel_register_advisors")
 
 
 def _process_info(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
@@ -201,6 +236,26 @@ def _launch_script(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., A
     assert call["command"] == [str(script), "--lr", "0.1"] and call["options"]["nproc_per_node"] == "2"
 
 
+def _save_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject = Subject()
+    assert strategy.save(tmp / "ckpt", model=subject, lr=0.1, optimizer=None) == str(tmp / "ckpt") + "!"
+    (seen,) = rec.seen("polyparallel_save_checkpoint")
+    assert seen["path"] == str(tmp / "ckpt") and seen["state"] == {"model": subject, "lr": 0.1}  # None dropped
+    assert seen["session"] is strategy.session()
+
+
+def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject, path = Subject(), tmp / "ckpt"
+    path.mkdir()
+    with pytest.raises(pp.CheckpointError, match="not a committed"):  # no marker: refused before the hook
+        strategy.load(path, model=subject)
+    assert not rec.seen("polyparallel_load_checkpoint")
+    _checkpoints.write_marker(str(path), _checkpoints.base_metadata(strategy, strategy.session(), None))
+    assert strategy.load(path, model=subject) == {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
+    (seen,) = rec.seen("polyparallel_load_checkpoint")
+    assert seen["path"] == str(path) and seen["state"] == {"model": subject}
+
+
 def _operation(name: str, call: Callable[[pp.Strategy, Subject], Any], **expected: Any) -> Case:
     def case(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
         subject = Subject()
@@ -217,6 +272,7 @@ CASES: dict[str, Case] = {
     "polyparallel_register_adapters": _adapters,
     "polyparallel_capabilities": _capabilities,
     "polyparallel_register_demos": _demos,
+    "polyparallel_register_advisors": _advisors,
     "polyparallel_process_info": _process_info,
     "polyparallel_session_start": _session_start,
     "polyparallel_session_finish": _session_finish,
@@ -230,6 +286,8 @@ CASES: dict[str, Case] = {
     "polyparallel_reduce_metrics": _operation("reduce_metrics", lambda s, x: s.reduce_metrics({"m": x}),
                                               metrics=lambda m: list(m) == ["m"]),
     "polyparallel_sync_states": _operation("sync_states", lambda s, x: s.sync_states(x)),
+    "polyparallel_save_checkpoint": _save_checkpoint,
+    "polyparallel_load_checkpoint": _load_checkpoint,
 }
 
 

@@ -153,3 +153,36 @@ def test_missing_batch_size_unequal_lengths_and_empty_data(jax_strategy):
         strategy.shard_data((_x(16), np.zeros(15)), batch_size=8)
     with pytest.raises(DataError, match="empty data set"):
         strategy.shard_data(np.zeros((0, 3)), batch_size=8)
+
+
+# -- position: exact resumption -------------------------------------------------------------------
+
+
+def test_a_saved_position_resumes_the_epoch_at_another_data_size(jax_strategy):
+    written = jax_strategy(data=4, tensor=2, batch_size=16, seed=2).shard_data(_x(80))
+    uninterrupted = [b.indices for b in written.batches(1)]
+    passes = written.batches(1)
+    for _ in range(2):
+        next(passes)  # two batches of epoch 1 consumed, then the job stops
+    state = written.state_dict()
+    # global_step: the 5 batches of the uninterrupted pass above, then these 2
+    assert state == {"epoch": 1, "batches": 2, "global_step": 7, "global_batch": 16, "seed": 2, "dataset_len": 80,
+                     "shuffle": True, "remainder": "pad"}
+
+    read = jax_strategy(data=8, batch_size=16, seed=2).shard_data(_x(80))
+    read.load_state_dict(state)
+    rest = [b.indices for b in read.batches(1)]  # the rest of epoch 1: the same rows, once each
+    assert [sorted(r.tolist()) for r in rest] == [sorted(u.tolist()) for u in uninterrupted[2:]]
+    assert read.state_dict()["epoch"] == 2 and read.state_dict()["global_step"] == 7 + len(rest)
+    assert len(list(read.batches(1))) == len(uninterrupted)  # the resume point is used once
+    assert [b.indices.tolist() for b in read.batches(1, start=3)] == [b.indices.tolist() for b in read.batches(1)][3:]
+
+
+def test_a_position_of_other_samples_is_refused(jax_strategy):
+    state = jax_strategy(data=8, batch_size=16, seed=2).shard_data(_x(80)).state_dict()
+    with pytest.raises(pp.CheckpointError, match=r"global batch size 16, this loader has 32"):
+        jax_strategy(data=8, batch_size=32, seed=2).shard_data(_x(80)).load_state_dict(state)
+    with pytest.raises(pp.CheckpointError, match=r"Strategy seed 2, this loader has 3"):
+        jax_strategy(data=8, batch_size=16, seed=3).shard_data(_x(80)).load_state_dict(state)
+    with pytest.raises(DataError, match=r"batches\(start=\) must be an int in \[0, 5\]"):
+        next(jax_strategy(data=8, batch_size=16).shard_data(_x(80)).batches(0, start=6))

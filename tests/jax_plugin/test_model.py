@@ -72,8 +72,7 @@ def test_mean_policy_batch_stats_equal_single_device(jax_strategy):
 
 def test_save_and_load_restore_parameters_and_optimizer(jax_strategy, tmp_path):
     model, _ = _fit(jax_strategy(data=8), epochs=1)
-    path = str(tmp_path / "model.msgpack")
-    model.save(path)
+    path = model.save(str(tmp_path / "ckpt"))
     x, y = dataset(200)
     before = model.evaluate(x, y, batch_size=40)
     other = Model(small_mlp(seed=5), optimizer=optax.adam(1e-2), metrics=["accuracy"])

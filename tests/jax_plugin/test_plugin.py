@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,54 @@ def test_each_launcher_answers_only_for_its_runtime(monkeypatch, torch_first):
     pm.register(types.SimpleNamespace(), name="any-change")  # a change of plugins: chosen again
     assert pp.launch(print, pp.Strategy(data=2, plugin_manager=pm), nprocs=2) == ["torch", "torch"]
     assert calls == [("jax", 2), ("torch", 2), ("jax", 2), ("torch", 2)]
+
+
+def test_strategy_save_and_load_a_module_with_its_optimizer_and_loader(jax_strategy, tmp_path):
+    # A plain loop's objects: an NNX module placed by wrap_model, an nnx.Optimizer, a ShardedArrays.
+    import jax
+    import optax
+    from flax import nnx
+
+    from polyparallel_jax.conformance import small_mlp
+
+    def objects(strategy, seed):
+        module = small_mlp(seed=seed)
+        strategy.wrap_model(module)
+        return module, nnx.Optimizer(module, optax.adam(1e-2), wrt=nnx.Param)
+
+    written_at = jax_strategy(data=4, tensor=2, batch_size=16)
+    module, optimizer = objects(written_at, 0)
+    loader = written_at.shard_data(np.zeros((64, 12), np.float32))
+    next(loader.batches(0))
+    grads = jax.tree.map(lambda p: p * 0 + 1, nnx.state(module, nnx.Param))
+    optimizer.update(module, grads)  # Adam moments and step no longer zero
+    path = written_at.save(str(tmp_path / "ckpt"), model=module, optimizer=optimizer, loader=loader, lr=0.5)
+    assert pp._checkpoints.read_marker(path)["runtime"] == "jax"
+
+    read_at = jax_strategy(data=8, batch_size=16)
+    other, other_optimizer = objects(read_at, 3)
+    other_loader = read_at.shard_data(np.zeros((64, 12), np.float32))
+    progress = read_at.load(path, model=other, optimizer=other_optimizer, loader=other_loader)
+    assert progress == {"epoch": 0, "step": 1, "global_step": 1, "lr": 0.5}
+    for a, b in zip(jax.tree.leaves((nnx.state(module), nnx.state(optimizer))),
+                    jax.tree.leaves((nnx.state(other), nnx.state(other_optimizer)))):
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    for leaf in jax.tree.leaves(nnx.state(other, nnx.Param)):  # each array kept the reading placement
+        assert dict(leaf.sharding.mesh.shape)["data"] == 8
+    assert len(list(other_loader.batches(0))) == len(other_loader) - 1  # continues after the saved batch
+    with pytest.raises(pp.CheckpointError, match="optimizer= must be a flax.nnx.Optimizer.*GradientTransformation"):
+        read_at.save(str(tmp_path / "ckpt"), model=other, optimizer=optax.adam(1e-2))
+
+
+def test_the_checkpoint_hooks_answer_only_on_the_jax_runtime(tmp_path):
+    from types import SimpleNamespace
+
+    from polyparallel_jax.conformance import small_mlp
+
+    on_torch = SimpleNamespace(runtime="torch")  # the hooks read session.runtime only before answering
+    state = {"model": small_mlp()}
+    assert polyparallel_jax.plugin.polyparallel_save_checkpoint(None, on_torch, str(tmp_path / "c"), state) is None
+    assert polyparallel_jax.plugin.polyparallel_load_checkpoint(None, on_torch, str(tmp_path / "c"), state) is None
+    assert not os.listdir(tmp_path)

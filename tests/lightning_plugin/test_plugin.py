@@ -211,6 +211,9 @@ def test_stage_picks_the_lightning_base_class_and_each_trainer_accepts_it(namesp
         make_strategy(strategy, NAMESPACES[namespace], find_unused_parameters=True)
     with pytest.raises(TypeError, match=r"tensor_parallel_size comes from Strategy\(tensor=...\)"):
         make_strategy(strategy, NAMESPACES[namespace], tensor_parallel_size=2)
+    with pytest.raises(TypeError, match=r"save_distributed_checkpoint=False\): the adapter always writes one "
+                                        r"polyparallel checkpoint directory"):
+        make_strategy(strategy, NAMESPACES[namespace], save_distributed_checkpoint=False)
 
 
 def test_sharded_topology_that_does_not_fit_the_trainer_is_refused_at_construction(monkeypatch):

@@ -2,13 +2,13 @@
 
 - data=2: the loss curve equals Lightning's own ``strategy="ddp"`` on the same module and seed,
   and the epoch mean of ``self.log(sync_dist=True)`` is the count-weighted mean over all samples;
-- data=2 x tensor=2: ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write one consolidated
-  file, once; resuming from it gives the parameters of an uninterrupted run (momentum included);
+- data=2 x tensor=2: ``ModelCheckpoint`` and ``trainer.save_checkpoint`` write polyparallel
+  checkpoints (one DCP directory each); resuming from one gives the parameters of an
+  uninterrupted run (momentum included), and it loads into a plain single-process module;
   torchmetrics reduce over the data group, not the world.
 """
 
 import pytest
-import torch
 
 import polyparallel as pp
 
@@ -79,31 +79,18 @@ def _checkpoint_worker(strategy, directory):
     import os
 
     import torchmetrics
-    from lightning.fabric.plugins import TorchCheckpointIO
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from polyparallel_lightning.testing import make_trainer, reference_module_class
     from polyparallel_torch.testing import flat_params
-
-    class CountingCheckpointIO(TorchCheckpointIO):
-        """Lightning's own writer, recording which files this rank wrote."""
-
-        def __init__(self):
-            super().__init__()
-            self.written = []
-
-        def save_checkpoint(self, checkpoint, path, storage_options=None):
-            self.written.append(os.path.basename(path))
-            super().save_checkpoint(checkpoint, path, storage_options)
 
     module_cls = reference_module_class(NS)
     short = dict(limit_train_batches=2, limit_val_batches=0)
     uninterrupted = module_cls(0, momentum=0.9)
     make_trainer(strategy, NS, max_epochs=2, **short).fit(uninterrupted, _loader(4))
 
-    writer = CountingCheckpointIO()
     first = module_cls(0, momentum=0.9)
-    trainer = make_trainer(strategy, NS, max_epochs=1, enable_checkpointing=True, plugins=[writer],
+    trainer = make_trainer(strategy, NS, max_epochs=1, enable_checkpointing=True,
                            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)], **short)
     trainer.fit(first, _loader(4))
     trainer.save_checkpoint(os.path.join(directory, "manual.ckpt"))
@@ -124,36 +111,36 @@ def _checkpoint_worker(strategy, directory):
     counting = CountingModule()
     trainer = make_trainer(strategy, NS)
     trainer.validate(counting, _loader(4), verbose=False)
-    return {"rank": strategy.rank, "written": writer.written, "after_first": flat_params(first.net),
+    return {"rank": strategy.rank, "written": sorted(os.listdir(directory)), "after_first": flat_params(first.net),
             "uninterrupted": flat_params(uninterrupted.net), "resumed": flat_params(resumed.net),
             "samples": float(trainer.callback_metrics["samples"]),
             "torchmetrics_samples": float(trainer.callback_metrics["torchmetrics_samples"])}
 
 
-def test_hybrid_checkpoints_are_written_once_consolidated_and_resume_exactly(run, tmp_path):
-    from polyparallel_torch.testing import reference_model
+def test_hybrid_checkpoints_are_polyparallel_checkpoints_and_resume_exactly(run, tmp_path):
+    from polyparallel_lightning.testing import reference_module_class
 
     strategy = pp.Strategy(data=2, tensor=2, timeout=60)
     results = run(_checkpoint_worker, strategy, 4, strategy, str(tmp_path))
     by_rank = {r["rank"]: r for r in results}
-    assert sorted(by_rank[0]["written"]) == ["epoch=0-step=2.ckpt", "last.ckpt", "manual.ckpt"]
-    assert all(not by_rank[rank]["written"] for rank in (1, 2, 3)), "only the checkpoint writer writes"
+    assert by_rank[0]["written"] == ["epoch=0-step=2.ckpt", "last.ckpt", "manual.ckpt"]
     for r in results:
         for name, values in r["resumed"].items():
             assert values == pytest.approx(r["uninterrupted"][name], abs=1e-6), f"{name} on rank {r['rank']}"
         assert r["samples"] == 37.0, "self.log(reduce_fx='sum', sync_dist=True) counted tensor replicas"
         assert r["torchmetrics_samples"] == 37.0, "a torchmetrics metric was reduced over the world"
-    # One file with full (gathered) tensors: it loads into the plain, single-process model.
-    checkpoint = torch.load(tmp_path / "manual.ckpt", map_location="cpu", weights_only=False)
-    state = {k.removeprefix("net."): v for k, v in checkpoint["state_dict"].items()}
-    assert state["0.weight"].shape == (16, 8) and state["2.weight"].shape == (16, 16)
-    model = reference_model(1)
-    model.load_state_dict(state)
+    # Each is one committed polyparallel directory (each shard written once), which loads into the
+    # plain, single-process model, momentum included.
+    for name in by_rank[0]["written"]:
+        assert (tmp_path / name / "polyparallel-checkpoint.json").is_file(), name
+    module = reference_module_class(NS)(1, momentum=0.9)
+    optimizer = module.configure_optimizers()
+    pp.Strategy(data=1).load(str(tmp_path / "manual.ckpt"), model=module, optimizer=optimizer)
     after_first = by_rank[0]["after_first"]
-    for name, param in model.named_parameters():
+    for name, param in module.net.named_parameters():
         assert param.reshape(-1).double().tolist() == pytest.approx(after_first[name], abs=1e-7), name
-    momentum = checkpoint["optimizer_states"][0]["state"][0]["momentum_buffer"]
-    assert momentum.shape == (16, 8), "optimizer state of a sharded parameter must be gathered too"
+    momentum = optimizer.state[module.net[0].weight]["momentum_buffer"]
+    assert momentum.shape == (16, 8), "optimizer state of a sharded parameter, whole"
 
 
 # -- nothing outlives the Trainer ------------------------------------------------------------------------

@@ -1,8 +1,18 @@
-"""One logical DCP checkpoint (checkpoint.py): written at zero=3 with data=2, loaded at data=4 and
-into a plain single-process module with equal parameters; a pipeline x data model saved and loaded
-back (and into one process); replicas written once; another model refused before any collective."""
+"""Checkpoints of the torch runtime (checkpoint.py, checkpoint_files.py) through ``Strategy.save`` /
+``Strategy.load``, with real gloo processes.
 
+- Round trips, parameters and optimizer state equal (1e-6): data=2 x tensor=2 -> data=4 -> one
+  process; pipeline=2 x data=2 -> data=2; zero=3 at data=2 -> data=4 -> one process.
+- Exact resumption in a plain loop: stopped at step 2 of epoch 1, resumed at the same topology and
+  at data=4 from data=2 (same global batch): the final parameters equal the uninterrupted run's
+  and a single-process reference (1e-5).
+- Refusals before any collective: another model, a missing commit marker, a truncated file, a
+  changed global batch, a pickle in DCP's index, objects as extras.
+"""
+
+import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -12,33 +22,212 @@ import polyparallel as pp
 from polyparallel_torch import load_checkpoint, make_optimizer, save_checkpoint
 from polyparallel_torch.model import full_state
 
+N, BATCH, EPOCHS = 48, 8, 2  # 6 steps an epoch
 
-def _model(seed: int = 0, hidden: int = 16) -> nn.Sequential:
+
+def _mlp(seed: int = 0, hidden: int = 16) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 4))
 
 
-def _save_worker(path: str):
-    strategy = pp.Strategy(data=2, zero=3, timeout=30)
-    model = strategy.wrap_model(_model())
+def _deep(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(123)
+    return torch.utils.data.TensorDataset(torch.randn(N, 8, generator=g), torch.randint(0, 4, (N,), generator=g))
+
+
+def _step(strategy, model, opt, batch) -> None:
+    x, y = batch
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    strategy.sync_grads(model)  # a no-op under DDP; reduces the tensor-parallel shards over data
+    opt.step()
+
+
+def _full_optim(model, opt) -> dict:
+    """The optimizer state with every DTensor gathered, per parameter name (flattened)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    module = model.stage if hasattr(model, "stage") else model
+    _, state = get_state_dict(module, (opt,), options=StateDictOptions(full_state_dict=True,
+                                                                        flatten_optimizer_state_dict=True))
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def _assert_same(got: dict, want: dict, tol: float) -> None:
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            torch.testing.assert_close(got[k], v, rtol=tol, atol=tol, msg=k)
+        else:
+            assert got[k] == v, k
+
+
+# -- launch 1: 4 processes write a data=2 x tensor=2 and a pipeline=2 x data=2 checkpoint ----------------------
+def _write_worker(tmp: str):
+    strategy = pp.Strategy(data=2, tensor=2, batch_size=BATCH, timeout=60)
+    model = strategy.wrap_model(_mlp(0))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = strategy.shard_data(_dataset())
+    for step, batch in enumerate(loader):
+        _step(strategy, model, opt, batch)
+        if step == 2:
+            break
+    strategy.save(f"{tmp}/tp", model=model, optimizer=opt, loader=loader, note="tp", scale=torch.tensor([2.0, 3.0]))
+    tp = {"params": full_state(model), "optim": _full_optim(model, opt)}
+
+    pipe = pp.Strategy(pipeline=2, data=2, timeout=60)
+    staged = pipe.wrap_model(_deep(0), loss_fn=nn.functional.cross_entropy, microbatches=2)
+    pipe_opt = torch.optim.Adam(staged.parameters(), lr=0.01)
+    torch.manual_seed(3)
+    staged.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    pipe_opt.step()
+    pipe.save(f"{tmp}/pipeline", model=staged, optimizer=pipe_opt)
+    return {"tp": tp, "stage": {"params": full_state(staged.stage), "optim": _full_optim(staged, pipe_opt)}}
+
+
+# -- launch 2: 2 processes (data=2) load the pipeline checkpoint; train, stop mid-epoch, resume ------------------
+def _train(strategy, model, opt, loader, first_epoch: int, stop=None) -> None:
+    for epoch in range(first_epoch, EPOCHS):
+        for batch in loader:
+            _step(strategy, model, opt, batch)
+            if stop is not None and stop(epoch, loader.state_dict()["batches"]):
+                return
+
+
+def _resume_worker(tmp: str):
+    strategy = pp.Strategy(data=2, batch_size=BATCH, timeout=60)
+    plain = strategy.wrap_model(_deep(5))
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.5)
+    strategy.load(f"{tmp}/pipeline", model=plain, optimizer=plain_opt)
+    from_pipeline = {"params": full_state(plain), "optim": _full_optim(plain, plain_opt)}
+
+    # The uninterrupted run, which also writes the checkpoint a stopped run would have written.
+    model = strategy.wrap_model(_mlp(0))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = strategy.shard_data(_dataset())
+    saved = {}
+
+    def save_at_epoch1_step2(epoch: int, batches: int) -> bool:
+        if (epoch, batches) == (1, 2):
+            strategy.save(f"{tmp}/mid", model=model, optimizer=opt, loader=loader, loss_scale=1.5)
+            saved["rand"] = torch.rand(3)  # the RNG right after the save
+        return False
+
+    _train(strategy, model, opt, loader, 0, save_at_epoch1_step2)
+    uninterrupted = full_state(model)
+    # A fresh process state: other weights, a fresh optimizer and loader, then load.
+    model = strategy.wrap_model(_mlp(7))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = strategy.shard_data(_dataset())
+    torch.manual_seed(999)
+    progress = strategy.load(f"{tmp}/mid", model=model, optimizer=opt, loader=loader)
+    rand_after_load = torch.rand(3)
+    _train(strategy, model, opt, loader, progress["epoch"])
+    return {"from_pipeline": from_pipeline, "uninterrupted": uninterrupted, "resumed": full_state(model),
+            "progress": progress, "rng": (saved["rand"], rand_after_load)}
+
+
+# -- launch 3: 4 processes (data=4) load the tensor-parallel checkpoint and resume the data=2 run ------------------
+def _data4_worker(tmp: str):
+    strategy = pp.Strategy(data=4, batch_size=BATCH, timeout=60)
+    model = strategy.wrap_model(_mlp(9))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    loader = strategy.shard_data(_dataset())
+    progress = strategy.load(f"{tmp}/tp", model=model, optimizer=opt, loader=loader)
+    from_tp = {"params": full_state(model), "optim": _full_optim(model, opt), "progress": progress,
+               "loader": loader.state_dict()}
+    model = strategy.wrap_model(_mlp(7))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    loader = strategy.shard_data(_dataset())
+    progress = strategy.load(f"{tmp}/mid", model=model, optimizer=opt, loader=loader)
+    _train(strategy, model, opt, loader, progress["epoch"])
+    return {"from_tp": from_tp, "resumed": full_state(model)}
+
+
+def _reference() -> dict:
+    """One process, the same global batches: the uninterrupted run."""
+    strategy = pp.Strategy(data=1, batch_size=BATCH)
+    model = _mlp(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train(strategy, model, opt, strategy.shard_data(_dataset()), 0)
+    return model.state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_round_trips_across_topologies_and_exact_resumption(run, tmp_path):
+    tmp = str(tmp_path)
+    written = run(_write_worker, pp.Strategy(data=2, tensor=2, timeout=60), 4, tmp, timeout=240)
+    tp = written[0]["tp"]
+    for r in written:
+        _assert_same(r["tp"]["params"], tp["params"], 0)
+    meta = json.load(open(f"{tmp}/tp/polyparallel-checkpoint.json"))
+    assert meta["topology"] == {"pipeline": 1, "data": 2, "tensor": 2} and meta["progress"] == {
+        "epoch": 0, "step": 3, "global_step": 3}
+    assert not [n for n in os.listdir(tmp) if ".partial-" in n]  # published, nothing left behind
+
+    resumed = run(_resume_worker, pp.Strategy(data=2, timeout=60), 2, tmp, timeout=240)
+    data4 = run(_data4_worker, pp.Strategy(data=4, timeout=60), 4, tmp, timeout=240)
+
+    # data=2 x tensor=2 -> data=4 -> one process: parameters and optimizer state.
+    for r in data4:
+        _assert_same(r["from_tp"]["params"], tp["params"], 1e-6)
+        _assert_same(r["from_tp"]["optim"], tp["optim"], 1e-6)
+        assert r["from_tp"]["progress"] == {"epoch": 0, "step": 3, "global_step": 3, "note": "tp",
+                                            "scale": pytest.approx(torch.tensor([2.0, 3.0]))}
+        assert r["from_tp"]["loader"]["batches"] == 3 and r["from_tp"]["loader"]["epoch"] == 0
+    plain, strategy = _mlp(11), pp.Strategy(data=1)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.5)
+    strategy.load(f"{tmp}/tp", model=plain, optimizer=plain_opt)  # the documented one-liner
+    _assert_same(plain.state_dict(), tp["params"], 1e-6)
+    _assert_same(_full_optim(plain, plain_opt), tp["optim"], 1e-6)
+
+    # pipeline=2 x data=2 -> data=2: every stage's parameters and optimizer state, once.
+    whole = {k: v for r in written for k, v in r["stage"]["params"].items()}
+    whole_optim = {k: v for r in written for k, v in r["stage"]["optim"].items()}
+    for r in resumed:
+        _assert_same(r["from_pipeline"]["params"], whole, 1e-6)
+        _assert_same(r["from_pipeline"]["optim"], whole_optim, 1e-6)
+
+    # Exact resumption: same topology, and data=4 from data=2, equal the uninterrupted run.
+    reference = _reference()
+    for r in resumed:
+        assert {k: r["progress"][k] for k in ("epoch", "step", "global_step")} == {"epoch": 1, "step": 2,
+                                                                                   "global_step": 8}
+        assert r["progress"]["loss_scale"] == 1.5
+        torch.testing.assert_close(r["rng"][1], r["rng"][0], rtol=0, atol=0)  # this rank's RNG came back
+        _assert_same(r["uninterrupted"], reference, 1e-5)
+        _assert_same(r["resumed"], r["uninterrupted"], 1e-5)
+    for r in data4:
+        _assert_same(r["resumed"], reference, 1e-5)
+
+
+def _zero3_worker(tmp: str):
+    strategy = pp.Strategy(data=2, zero=3, timeout=60)
+    model = strategy.wrap_model(_mlp())
     opt = make_optimizer(strategy, model, torch.optim.Adam, lr=0.01)
     for step in range(2):
         torch.manual_seed(10 + step + strategy.session().rank)
         opt.zero_grad()
         model(torch.randn(4, 8)).square().mean().backward()
         opt.step()
-    save_checkpoint(strategy, path, model=model, optimizer=opt)
+    save_checkpoint(strategy, f"{tmp}/zero3", model=model, optimizer=opt)
     return full_state(model)
 
 
-def _load_worker(path: str, replicated_path: str):
-    strategy = pp.Strategy(data=4, zero=3, timeout=30)
-    model = strategy.wrap_model(_model(seed=1))  # other initial values: the load must replace them
+def _zero3_load_worker(tmp: str):
+    strategy = pp.Strategy(data=4, zero=3, timeout=60)
+    model = strategy.wrap_model(_mlp(seed=1))  # other initial values: the load must replace them
     opt = make_optimizer(strategy, model, torch.optim.Adam, lr=0.01)
-    load_checkpoint(strategy, path, model=model, optimizer=opt)
+    load_checkpoint(strategy, f"{tmp}/zero3", model=model, optimizer=opt)
     steps = {float(s["step"]) for s in opt.state.values()}
-    ddp = pp.Strategy(data=4, timeout=30)
-    save_checkpoint(ddp, replicated_path, model=ddp.wrap_model(_model(hidden=2048)))  # 4 replicas of one model
+    ddp = pp.Strategy(data=4, timeout=60)
+    ddp.save(f"{tmp}/ddp", model=ddp.wrap_model(_mlp(hidden=2048)))  # 4 replicas of one model
     return {"params": full_state(model), "adam_steps": steps}
 
 
@@ -49,78 +238,174 @@ def _bytes(path: str) -> int:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_checkpoint_of_zero3_data2_loads_at_data4_and_in_one_process(run, tmp_path):
-    path, replicated = str(tmp_path / "zero3"), str(tmp_path / "ddp")
-    saved = run(_save_worker, pp.Strategy(data=2, timeout=30), 2, path, timeout=180)
+    tmp = str(tmp_path)
+    saved = run(_zero3_worker, pp.Strategy(data=2, timeout=60), 2, tmp, timeout=180)
     assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
-    loaded = run(_load_worker, pp.Strategy(data=4, timeout=30), 4, path, replicated, timeout=240)
+    loaded = run(_zero3_load_worker, pp.Strategy(data=4, timeout=60), 4, tmp, timeout=240)
     for r in loaded:
         assert r["adam_steps"] == {2.0}  # the optimizer state came back too
-        for name, value in saved[0].items():
-            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=0)
-    plain = _model(seed=2)
-    load_checkpoint(pp.Strategy(data=1), path, model=plain)
-    for name, value in saved[0].items():
-        torch.testing.assert_close(plain.state_dict()[name], value, rtol=0, atol=0)
+        _assert_same(r["params"], saved[0], 0)
+    plain = _mlp(seed=2)
+    load_checkpoint(pp.Strategy(data=1), f"{tmp}/zero3", model=plain)
+    _assert_same(plain.state_dict(), saved[0], 0)
     # Written once: the 4 DDP replicas' checkpoint holds one copy of the parameters (plus headers).
-    one_copy = sum(t.numel() * t.element_size() for t in _model(hidden=2048).state_dict().values())
-    assert one_copy <= _bytes(replicated) < 1.2 * one_copy
+    one_copy = sum(t.numel() * t.element_size() for t in _mlp(hidden=2048).state_dict().values())
+    assert one_copy <= _bytes(f"{tmp}/ddp") < 1.2 * one_copy
 
 
-def _pipeline_worker(path: str):
-    """pipeline=2 x data=2 (zero=0: stages replicated by FSDP2): save, then load into other values."""
-    def deep(seed: int) -> nn.Sequential:
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-
-    strategy = pp.Strategy(pipeline=2, data=2, timeout=30)
-    model = strategy.wrap_model(deep(0), loss_fn=nn.functional.cross_entropy, microbatches=2)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    torch.manual_seed(3)
-    model.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-    opt.step()
-    save_checkpoint(strategy, path, model=model, optimizer=opt)
-    other = strategy.wrap_model(deep(1), loss_fn=nn.functional.cross_entropy, microbatches=2)
-    other_opt = torch.optim.Adam(other.parameters(), lr=0.01)
-    other.train_step(torch.randn(4, 8), torch.randint(0, 4, (4,)))
-    other_opt.step()
-    load_checkpoint(strategy, path, model=other, optimizer=other_opt)
-    return {"saved": full_state(model.stage), "loaded": full_state(other.stage),
-            "adam_steps": {float(s["step"]) for s in other_opt.state.values()}}
+# -- refusals, on rank 0 of a 2-process world that was never started: a collective would fail or hang ------------
+@pytest.fixture
+def unstarted_world(monkeypatch):
+    """Call it (after saving in one process) for rank 0's strategy of that world."""
+    def enter() -> pp.Strategy:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+        return pp.Strategy(data=2, batch_size=BATCH, timeout=5)
+    return enter
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_checkpoint_of_a_pipeline_x_data_model_loads_back_and_in_one_process(run, tmp_path):
-    path = str(tmp_path / "pipeline")
-    results = run(_pipeline_worker, pp.Strategy(pipeline=2, data=2, timeout=30), 4, path, timeout=240)
-    whole: dict[str, torch.Tensor] = {}
-    for r in results:
-        assert r["adam_steps"] == {1.0}
-        for name, value in r["saved"].items():
-            torch.testing.assert_close(r["loaded"][name], value, rtol=0, atol=0)
-        whole.update(r["saved"])
-    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
-    load_checkpoint(pp.Strategy(data=1), path, model=plain)  # every stage's entries, once
-    assert set(plain.state_dict()) == set(whole)
-    for name, value in whole.items():
-        torch.testing.assert_close(plain.state_dict()[name], value, rtol=0, atol=0)
+def _saved(tmp_path, name: str = "plain") -> str:
+    one = pp.Strategy(data=1, batch_size=BATCH)
+    model = _mlp()
+    loader = one.shard_data(_dataset())
+    next(iter(loader))
+    return one.save(str(tmp_path / name), model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    loader=loader)
 
 
-def test_another_model_is_refused_before_any_collective(tmp_path, monkeypatch):
+def test_another_model_is_refused_before_any_collective(tmp_path, unstarted_world):
     path = str(tmp_path / "plain")
-    save_checkpoint(pp.Strategy(data=1), path, model=_model())
-    # Rank 0 of a 2-process world that was never started: a collective would fail or hang.
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    strategy = pp.Strategy(data=2, timeout=5)
-    with pytest.raises(ValueError, match=r"another model.*other shapes: 0.bias \[16\] in the checkpoint vs \[32\]"):
-        load_checkpoint(strategy, path, model=_model(hidden=32))
-    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['3.bias', '3.weight'\]"):
-        load_checkpoint(strategy, path, model=nn.Sequential(nn.Linear(8, 16)).append(nn.ReLU()).append(
-            nn.Linear(16, 4)).append(nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match="no optimizer state"):
-        model = _model()
-        load_checkpoint(strategy, path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
-        load_checkpoint(strategy, str(tmp_path / "nothing"), model=_model())
+    pp.Strategy(data=1).save(path, model=_mlp())
+    unstarted_world = unstarted_world()
+    with pytest.raises(pp.CheckpointError, match=r"another model.*other shapes: 0.bias \[16\] in the checkpoint vs \[32\]"):
+        unstarted_world.load(path, model=_mlp(hidden=32))
+    with pytest.raises(pp.CheckpointError, match=r"missing from the checkpoint: \['3.bias', '3.weight'\]"):
+        unstarted_world.load(path, model=_mlp().append(nn.Linear(4, 4)))
+    with pytest.raises(pp.CheckpointError, match="no optimizer state"):
+        model = _mlp()
+        unstarted_world.load(path, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        unstarted_world.load(str(tmp_path / "nothing"), model=_mlp())
+
+
+def test_a_changed_global_batch_is_refused_naming_both(tmp_path, unstarted_world):
+    path = _saved(tmp_path)
+    unstarted_world = unstarted_world()
+    model = _mlp()
+    loader = unstarted_world.shard_data(_dataset(), batch_size=12)
+    with pytest.raises(pp.CheckpointError, match=r"global batch size 8, this loader has 12"):
+        unstarted_world.load(path, model=model, loader=loader)
+
+
+def test_half_written_truncated_and_pickled_checkpoints_are_refused(tmp_path, unstarted_world):
+    paths = [_saved(tmp_path, name) for name in ("plain", "unmarked", "pickled")]
+    unstarted_world = unstarted_world()
+    path = paths[0]
+    distcp = next(f for f in os.listdir(path) if f.endswith(".distcp"))
+    with open(os.path.join(path, distcp), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(pp.CheckpointError, match=rf"corrupt: {distcp} has 100 bytes"):
+        unstarted_world.load(path, model=_mlp())
+
+    path = paths[1]
+    os.remove(os.path.join(path, "polyparallel-checkpoint.json"))  # what a save killed before its commit leaves
+    with pytest.raises(pp.CheckpointError, match="not a committed polyparallel checkpoint"):
+        unstarted_world.load(path, model=_mlp())
+    assert pp.latest_checkpoint(tmp_path, pattern="*") == paths[2]  # the newest committed one
+
+    class Boom:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    path = paths[2]
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Boom(), f)
+    meta_file = os.path.join(path, "polyparallel-checkpoint.json")
+    meta = json.load(open(meta_file))
+    meta["files"][".metadata"] = os.path.getsize(os.path.join(path, ".metadata"))
+    json.dump(meta, open(meta_file, "w"))
+    with pytest.raises(pp.CheckpointError, match="refusing to load posix.system"):
+        unstarted_world.load(path, model=_mlp())
+
+
+def test_objects_are_refused_as_extras_and_names_are_checked(tmp_path, unstarted_world):
+    unstarted_world = unstarted_world()
+    with pytest.raises(TypeError, match="never arbitrary"):
+        unstarted_world.save(str(tmp_path / "x"), model=_mlp(), callback=lambda: None)
+    with pytest.raises(TypeError, match="'step' is not a name an extra may take"):
+        unstarted_world.save(str(tmp_path / "x"), step=3)
+    with pytest.raises(TypeError, match="come back in the dict"):
+        unstarted_world.load(str(tmp_path / "x"), best=1.0)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(pp.CheckpointError, match="exists and is not a polyparallel checkpoint"):
+        unstarted_world.save(str(tmp_path / "data"), model=_mlp())
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_inspect_lists_the_tensors_and_shapes_of_a_torch_checkpoint(tmp_path):
+    from click.testing import CliRunner
+
+    from polyparallel import cli as cli_module
+
+    path = _saved(tmp_path)
+    result = CliRunner().invoke(cli_module.cli, ["checkpoint", "inspect", path], prog_name="polyparallel")
+    assert result.exit_code == 0, result.output
+    assert "progress: epoch 0, 1 batch(es) of it consumed, global step 1; global batch 8" in result.output
+    assert "model.0.weight  [16, 8]  float32" in result.output
+    assert "tensors (4):" in result.output  # the model's four (SGD without momentum keeps no state)
+
+
+# -- elastic restarts: examples/elastic_train.py under `polyparallel launch --max-restarts 2` ------------------------
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_train.py")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_a_killed_rank_restarts_from_the_last_committed_checkpoint(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    ckpts = str(tmp_path / "ckpts")
+    command = [sys.executable, "-m", "polyparallel.cli", "launch", "--nproc-per-node", "4", "--max-restarts", "2",
+               EXAMPLE, "--ckpt-dir", ckpts, "--every", "4", "--kill-rank", "2", "--kill-step", "8"]
+    done = subprocess.run(["timeout", "-k", "10", "360", *command], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    resumes = [json.loads(line[len("RESUME "):]) for line in done.stdout.splitlines() if line.startswith("RESUME ")]
+    (result,) = [json.loads(line[len("RESULT "):]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    # Attempt 0 started from nothing; rank 2 died before the checkpoint of step 8, leaving its peers
+    # inside that save: attempt 1 found step 8 half-written (a staging directory, no marker) and
+    # resumed from step 4.
+    assert [r["attempt"] for r in resumes] == [0, 1] and resumes[0]["from"] is None
+    assert resumes[1]["from"] == os.path.join(ckpts, "step-000004")
+    assert any(name.startswith("step-000008.partial-") for name in resumes[1]["held"]), resumes[1]["held"]
+    assert "step-000008" not in resumes[1]["held"]
+    assert sorted(os.listdir(ckpts)) == ["step-000004", "step-000008", "step-000012"]  # the stale one removed
+    # Equal to an uninterrupted single-process run with the same global batch.
+    spec = importlib.util.spec_from_file_location("elastic_train", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    reference = example.train(pp.Strategy(data=1, batch_size=16), epochs=2)
+    for name, value in reference.items():
+        torch.testing.assert_close(torch.tensor(result[name]), torch.tensor(value), rtol=1e-5, atol=1e-5)
+
+
+def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypatch):
+    # The elastic test above fails without it (restarted workers read the old attempt's gloo
+    # addresses); this checks that the setting does not outlive `polyparallel launch`.
+    from torch.distributed import run as torchrun
+
+    from polyparallel_torch.launch import launch_script
+
+    seen = []
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setattr(torchrun, "run", lambda args: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2}) == 0
+    assert launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 0}) == 0
+    assert seen == ["1", None] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # the user's choice is kept
+    launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2})
+    assert seen[-1] == "0" and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"

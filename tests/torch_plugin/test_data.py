@@ -248,3 +248,87 @@ def test_replicas_never_train_on_different_batches_after_one_rank_peeked(run):
     assert all(r["unpinned"].startswith(("CollectiveTimeout", "CollectiveError")) for r in results), results
     assert "shard_data pass" in results[0]["unpinned"] and "set_epoch" in results[0]["unpinned"], results[0]
     assert all(r["elapsed"] < 60 for r in results)
+
+
+# -- the loader's position (ShardedLoader.state_dict / load_state_dict) ------------------------------------
+def _loaders(length: int, data: int, global_batch: int, **kw) -> list:
+    """The loaders of every data coordinate of a data=`data` run, in one process."""
+    from polyparallel_torch.data import ShardedLoader
+
+    dataset = TensorDataset(torch.arange(length))
+    return [ShardedLoader(dataset, batch_size=global_batch // data,
+                          sampler=TopologySampler(length, d, data, seed=5, **kw)) for d in range(data)]
+
+
+def _global_batches(loaders, steps=None) -> list[list[int]]:
+    """Each step's global batch (the union over data coordinates, sorted)."""
+    iterators = [iter(loader) for loader in loaders]
+    out = []
+    for step, parts in enumerate(zip(*iterators)):
+        out.append(sorted(int(i) for (batch,) in parts for i in batch))
+        if steps is not None and step + 1 == steps:
+            break
+    return out
+
+
+def test_step_s_consumes_the_same_global_positions_at_every_data_size():
+    # The property exact resumption relies on: data coordinate d takes order[d::D], so step s of a
+    # per-rank batch B/D holds order[s*B:(s+1)*B] whatever D is.
+    order = pp.shard_indices(48, 0, 1, seed=5, epoch=0)
+    for data in (1, 2, 4):
+        assert _global_batches(_loaders(48, data, 8)) == [sorted(order[s * 8:(s + 1) * 8]) for s in range(6)]
+
+
+@pytest.mark.parametrize("resume_data", [2, 4, 1])
+def test_a_loader_resumed_mid_epoch_continues_the_global_order_at_any_data_size(resume_data):
+    uninterrupted = _loaders(48, 2, 8)
+    full = _global_batches(uninterrupted) + _global_batches(uninterrupted)  # epochs 0 and 1
+    first = _loaders(48, 2, 8)
+    seen = _global_batches(first, steps=2)
+    states = [loader.state_dict() for loader in first]
+    assert all(s == states[0] for s in states) and states[0]["epoch"] == 0 and states[0]["batches"] == 2
+    assert states[0]["global_batch"] == 8 and states[0]["dataset_len"] == 48 and states[0]["global_step"] == 2
+    resumed = _loaders(48, resume_data, 8)
+    for loader in resumed:
+        loader.load_state_dict(states[0])
+        assert len(loader) == 4  # the rest of epoch 0
+    rest = _global_batches(resumed)
+    assert resumed[0].state_dict()["epoch"] == 1 and resumed[0].state_dict()["batches"] == 0
+    assert seen + rest + _global_batches(resumed) == full  # the rest of epoch 0, then epoch 1 whole
+    assert resumed[0].global_step == 12
+
+
+def test_the_position_follows_the_last_pass_started_and_pinned_epochs():
+    (loader,) = _loaders(20, 1, 4)
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["batches"] == 0
+    list(loader)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (1, 0)
+    loader.sampler.set_epoch(3)  # pinned (what Lightning and Ignite call)
+    it = iter(loader)
+    next(it)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (3, 1)
+    list(it)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["batches"]) == (4, 0)  # complete: the next epoch
+    assert loader.state_dict()["pinned"] is True
+
+
+def test_a_loader_with_another_global_batch_or_data_is_refused():
+    (saved,) = _loaders(48, 1, 8)
+    state = saved.state_dict()
+    with pytest.raises(pp.CheckpointError, match=r"global batch size 8, this loader has 12"):
+        _loaders(48, 2, 12)[0].load_state_dict(state)
+    with pytest.raises(pp.CheckpointError, match=r"data set length 48, this loader has 40"):
+        _loaders(40, 2, 8)[0].load_state_dict(state)
+
+
+def test_shard_data_returns_a_loader_that_counts_what_it_yields(monkeypatch):
+    from polyparallel_torch.data import ShardedLoader
+
+    # With workers the sampler runs ahead (prefetching); the position counts yielded batches.
+    loader = pp.Strategy(data=1, batch_size=4).shard_data(
+        DataLoader(TensorDataset(torch.arange(40)), shuffle=True, num_workers=1, prefetch_factor=4))
+    assert isinstance(loader, ShardedLoader)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.2)  # let the worker prefetch
+    assert loader.state_dict()["batches"] == 1

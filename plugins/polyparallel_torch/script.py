@@ -1,0 +1,70 @@
+"""``python -m polyparallel_torch.script SCRIPT [ARGS]``: one worker of ``polyparallel launch``.
+
+torchrun starts every worker through this module, which runs the script as ``__main__`` (like
+``python SCRIPT``) and, when it raises, writes the error where torchrun's agent looks for it
+(``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``, plus a ``polyparallel``
+record: rank, time, whether it is a collective failure, the whole traceback) and prints one line
+instead of the traceback. The launcher (:func:`polyparallel_torch.launch.launch_script`) then
+prints the report of the first failing rank once, instead of N interleaved tracebacks. A script
+that exits by ``SystemExit`` exits as it asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+__all__ = ["main", "record_error"]
+
+
+def record_error(exc: BaseException) -> None:
+    """Write ``exc`` to ``TORCHELASTIC_ERROR_FILE`` (nothing when torchrun did not set it)."""
+    from .launch import _is_collective_failure, _summary
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = "".join(traceback.format_exception(exc))
+    now = time.time()
+    data = {
+        "message": {"message": f"{type(exc).__name__}: {exc}",
+                    "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}},
+        "polyparallel": {"rank": int(os.environ.get("RANK", "0")), "time": now,
+                         "collective": _is_collective_failure(exc), "summary": _summary(exc), "traceback": text},
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run ``argv[0]`` as ``__main__`` with ``argv[1:]`` as its arguments."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: python -m polyparallel_torch.script SCRIPT [ARGS]")
+    script = argv[0]
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        record_error(exc)
+        rank = os.environ.get("RANK", "?")
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            print(f"[rank {rank}] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+                  "(the launcher reports the first failing rank)", file=sys.stderr, flush=True)
+        else:  # not under the launcher: nobody else would show it
+            traceback.print_exception(exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

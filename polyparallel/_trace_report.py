@@ -1,0 +1,186 @@
+"""Reading traces: what every rank of a group was doing (hang reports), and per-rank timelines.
+
+A rank's *state* is what it publishes through a runtime's side channel (or writes at exit): a
+dict with ``rank``, its latest ``entries`` (:meth:`polyparallel._trace.Entry.to_dict`), its
+``stack`` (the Python stack of the thread that drives its collectives, or ``None``) and
+``exited``. :func:`describe_group` turns the states of a group into the lines of a
+``CollectiveTimeout``; :func:`read_dir` and :func:`timeline` serve ``polyparallel trace DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["describe_group", "label", "location", "read_dir", "timeline", "rank_ranges"]
+
+_OPEN = ("entered", "running")
+
+
+def location(entry: Mapping[str, Any]) -> str:
+    """``file.py:57`` (the user's frame), with the framework's frame when it differs
+    (``train.py:57 via trainer.py:120``); ``?`` when unknown."""
+    user, site = entry.get("user"), entry.get("site")
+    if not user:
+        return "?"
+    text = _short(user)
+    if site and site != user:
+        text += f" via {_short(site)}"
+    return text
+
+
+def _short(where: str) -> str:
+    path, _, line = where.rpartition(":")
+    return f"{os.path.basename(path)}:{line}"
+
+
+def label(entry: Mapping[str, Any]) -> str:
+    """``reduce_metrics #14`` (the operation and its sequence number on its axis)."""
+    return entry["operation"] if entry.get("seq") is None else f"{entry['operation']} #{entry['seq']}"
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``rank 3``, ``ranks 0–2``, ``ranks 0, 2, 5``."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
+        return f"ranks {ordered[0]}\u2013{ordered[-1]}"
+    return "ranks " + ", ".join(map(str, ordered))
+
+
+def _status(state: Mapping[str, Any] | None, mine: Mapping[str, Any] | None, answer_s: float) -> tuple[str, bool]:
+    """(what the rank does, whether its stack is worth showing)."""
+    if state is None:
+        return (f"did not answer within {answer_s:g} s (its process exited or is frozen, or it has no side "
+                "channel)", False)
+    entries = state.get("entries") or []
+    open_ = next((e for e in reversed(entries) if e.get("state") in _OPEN), None)
+    exited = bool(state.get("exited"))
+    if open_ is not None and not exited:
+        same_axis = mine is None or open_.get("axis") == mine.get("axis")
+        axis = "" if same_axis else f" over the {open_.get('axis')!r} axis"
+        if mine is not None and (open_.get("operation"), open_.get("axis"), open_.get("seq")) == (
+                mine.get("operation"), mine.get("axis"), mine.get("seq")):
+            return f"waits in {label(open_)} ({location(open_)})", False
+        return f"entered {label(open_)}{axis} ({location(open_)})", False
+    last = entries[-1] if entries else None
+    if exited:
+        latest = f"{label(last)} ({location(last)}, {last.get('state')})" if last is not None else "none"
+        return f"has exited (its last collective: {latest})", False
+    since = (f"since {label(last)} ({location(last)}, {last.get('state')})" if last is not None
+             else "yet")
+    return f"has not entered any collective {since}", True
+
+
+def describe_group(states: Mapping[int, Mapping[str, Any] | None], me: int, answer_s: float) -> tuple[str, list[str]]:
+    """``(summary, details)`` of what every rank in ``states`` is doing, relative to rank ``me``'s
+    open collective: a one-line summary ("rank 1 has not entered any collective since
+    reduce_metrics #12 (train.py:40); rank 0 waits in reduce_metrics #13 (train.py:63)"), ranks
+    doing the same grouped, and detail lines with the stacks of the ranks that are outside any
+    collective."""
+    mine_state = states.get(me)
+    mine = None
+    if mine_state:
+        mine = next((e for e in reversed(mine_state.get("entries") or []) if e.get("state") in _OPEN), None)
+    by_text: dict[str, list[int]] = {}
+    stacks: list[tuple[int, str]] = []
+    for rank in sorted(states):
+        text, show_stack = _status(states[rank], mine, answer_s)
+        if rank == me and mine is not None:
+            text = f"waits in {label(mine)} ({location(mine)})"
+        by_text.setdefault(text, []).append(rank)
+        state = states[rank]
+        if show_stack and state and state.get("stack"):
+            stacks.append((rank, state["stack"]))
+    # The ranks outside the collective first: they are the ones to look at.
+    ordered = sorted(by_text.items(), key=lambda kv: (kv[0].startswith("waits in"), kv[1]))
+    parts = []
+    for text, ranks in ordered:
+        verb = text
+        if len(ranks) > 1:  # plural verbs: "ranks 0–2 wait in", "have not entered"
+            verb = re.sub(r"^(waits|has|did)\b", lambda m: {"waits": "wait", "has": "have", "did": "did"}[m.group(1)],
+                          text)
+        parts.append(f"{rank_ranges(ranks)} {verb}")
+    summary = "; ".join(parts)
+    details = []
+    for rank, stack in stacks:
+        details.append(f"rank {rank}'s stack (the thread that runs its collectives):")
+        details.extend("    " + line for line in stack.rstrip().splitlines())
+    return summary, details
+
+
+# -- trace directories (polyparallel trace DIR) --------------------------------------------------------------------
+
+
+def read_dir(directory: str) -> dict[int, dict[str, Any]]:
+    """The dumps in ``directory``: ``{rank: {"header": {...}, "entries": [...]}}``.
+
+    :raises FileNotFoundError: the directory does not exist.
+    :raises ValueError: it holds no ``rank<r>.jsonl`` file, or one is not JSON lines.
+    """
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{directory!r} is not a directory. Pass the directory given to --trace-dir "
+                                "(or POLYPARALLEL_TRACE_DIR / polyparallel.launch(trace_dir=)).")
+    out: dict[int, dict[str, Any]] = {}
+    for name in sorted(os.listdir(directory)):
+        match = re.fullmatch(r"rank(\d+)\.jsonl", name)
+        if not match:
+            continue
+        path = os.path.join(directory, name)
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        try:
+            records = [json.loads(line) for line in lines]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a trace file (JSON lines): {exc}") from None
+        if not records:
+            continue
+        out[int(match.group(1))] = {"header": records[0], "entries": records[1:]}
+    if not out:
+        raise ValueError(f"{directory!r} holds no rank<r>.jsonl trace file. Run the job with --trace-dir "
+                         f"{directory} (polyparallel launch) or polyparallel.launch(..., trace_dir=...), and make sure "
+                         "POLYPARALLEL_TRACE is not 0.")
+    return out
+
+
+def timeline(traces: Mapping[int, Mapping[str, Any]], last: int | None = None) -> tuple[list[str], list[list[str]]]:
+    """A table aligning the ranks' collectives: one row per (axis, sequence number) — checked
+    collectives — or per unchecked collective in order, one column per rank holding
+    ``operation state (file:line)``; rows where the ranks differ are marked ``!``. The time column
+    is seconds since the earliest entry of any rank. ``last``: only the last N rows."""
+    ranks = sorted(traces)
+    rows: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+    unchecked: dict[tuple[int, str], int] = {}
+    for rank in ranks:
+        for entry in traces[rank]["entries"]:
+            if entry.get("seq") is not None:
+                key: tuple[Any, ...] = (entry["axis"], entry["seq"], "")
+            else:  # unchecked collectives: paired by their order on the axis
+                k = unchecked[(rank, entry["axis"])] = unchecked.get((rank, entry["axis"]), 0) + 1
+                key = (entry["axis"], k, "u")
+            rows.setdefault(key, {})[rank] = entry
+    t_min = min((e["t0"] for row in rows.values() for e in row.values()), default=0.0)
+    ordered = sorted(rows.items(), key=lambda kv: min(e["t0"] for e in kv[1].values()))
+    if last is not None:
+        ordered = ordered[-last:]
+    header = ["", "t (s)", "axis", "#", *(f"rank {r}" for r in ranks)]
+    table = []
+    for (axis, seq, kind), row in ordered:
+        ops = {(e["operation"], e.get("detail")) for e in row.values()}
+        differs = len(ops) > 1 or len(row) != len(ranks)
+        cells = []
+        for rank in ranks:
+            e = row.get(rank)
+            if e is None:
+                cells.append("-")
+                continue
+            took = f" {1e3 * (e['t1'] - e['t0']):.1f}ms" if e.get("t1") else ""
+            state = "" if e["state"] == "done" else f" [{e['state']}]"
+            cells.append(f"{e['operation']}{state}{took} ({location(e)})")
+        t0 = min(e["t0"] for e in row.values()) - t_min
+        table.append(["!" if differs else "", f"{t0:.3f}", axis, f"{seq}{'u' if kind else ''}", *cells])
+    return header, table

@@ -1,0 +1,91 @@
+"""Hang and desync reports (the torch runtime's trace, ``polyparallel_torch.tracing``) under a
+Lightning ``Trainer``: the collectives the adapter runs for Lightning are recorded, and a rank
+that skips one, or runs another, is named by its peers with its location."""
+
+import inspect
+import os
+import time
+
+import pytest
+
+import polyparallel as pp
+
+pytestmark = pytest.mark.multiprocess
+
+NS = "lightning.pytorch"
+
+
+def _line(fn, text):
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def _failure(fn):
+    try:
+        fn()
+    except Exception as exc:  # the worker reports it: both ranks' outcomes come back
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _module_class(strategy, scenario):
+    import torch
+
+    from polyparallel_lightning.testing import reference_module_class
+
+    base = reference_module_class(NS)
+
+    class Probe(base):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            rank = self.trainer.global_rank
+            if scenario == "desync" and batch_idx == 1:
+                if rank == 0:
+                    strategy.sync_states(self)  # desync: rank 0 syncs states
+                else:
+                    strategy.sync_grads(self)  # desync: rank 1 syncs gradients
+            if scenario == "hang":
+                if batch_idx == 0 or rank == 0:
+                    self.trainer.strategy.reduce(torch.tensor(1.0))  # hang: both at batch 0, rank 0 at 1
+                else:
+                    time.sleep(strategy.timeout + 8)  # hang: rank 1 skips the reduce
+
+    return Probe
+
+
+def _worker(strategy):
+    from torch.utils.data import DataLoader
+
+    from polyparallel_lightning.testing import make_trainer
+    from polyparallel_torch.testing import reference_dataset
+
+    out = {}
+    for scenario, timeout in (("desync", 30), ("hang", 6)):  # a runtime (and groups) per timeout
+        s = strategy.replace(timeout=timeout)
+        module = _module_class(s, scenario)(0)
+        trainer = make_trainer(s, NS, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
+        started = time.monotonic()
+        loader = DataLoader(reference_dataset(24), batch_size=4)
+        out[scenario] = _failure(lambda t=trainer, m=module, d=loader: t.fit(m, d))
+        out[f"{scenario}_s"] = time.monotonic() - started
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_lightning_desync_and_hang_name_the_other_ranks_location(run):
+    r0, r1 = run(_worker, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=240)
+    here = os.path.basename(__file__)
+    states_at = _line(_module_class, "desync: rank 0 syncs states")
+    grads_at = _line(_module_class, "desync: rank 1 syncs gradients")
+    for r in (r0, r1):
+        assert r["desync"] and "operations out of step over the 'data' axis" in r["desync"], r
+        assert f"called at {here}:{states_at}" in r["desync"] or f"and {here}:{states_at}" in r["desync"], r
+        assert f"{here}:{grads_at}" in r["desync"].splitlines()[0], r
+        assert r["desync_s"] < 25, r
+    reduce_at = _line(_module_class, "hang: both at batch 0")
+    hang = r0["hang"]
+    assert hang and hang.startswith("CollectiveTimeout: reduce (self.log sync_dist=True)"), r0
+    first = hang.splitlines()[0]
+    assert "rank 1 has not entered any collective since reduce (self.log sync_dist=True)" in first, hang
+    assert f"({here}:{reduce_at}" in first, hang  # where rank 1 last reduced
+    assert "rank 0 waits in reduce (self.log sync_dist=True)" in first, hang
+    assert f"line {_line(_module_class, 'hang: rank 1 skips')}, in on_train_batch_end" in hang, hang  # its stack

@@ -1,0 +1,178 @@
+"""``plugins/polyparallel_torch/advisor.py``: the torch advisor against real runs.
+
+The memory estimate (parameters + gradients + optimizer state of the rank holding the most) is
+compared with the bytes each rank really holds after optimizer steps in real gloo processes, for
+three topologies of each of two models (an MLP and a small transformer, ``examples/advisor_models.py``):
+it must be within 10%. The CLI runs as a user runs it, from the repository root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel._advisor import estimate, load_links
+from polyparallel_torch.advisor import TorchAdvisor, build
+from polyparallel_torch.pipeline import split_sequential
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP, TRANSFORMER = "examples.advisor_models:mlp", "examples.advisor_models:transformer"
+
+
+@pytest.fixture(autouse=True)
+def _repository_on_path(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT))  # examples.advisor_models, in spawned ranks too
+    monkeypatch.setenv("POLYPARALLEL_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def cli(*args: str, timeout: float = 400, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "POLYPARALLEL_CACHE_DIR": str(cache)}
+    return subprocess.run(["timeout", "-k", "10", str(int(timeout)), sys.executable, "-m", "polyparallel.cli", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout + 30)
+
+
+def test_profile_matches_the_real_model():
+    profile = TorchAdvisor().profile(MLP, 16, None)
+    assert profile is not None
+    torch.manual_seed(0)
+    real = build(MLP).model
+    assert [layer.name for layer in profile.layers] == [name for name, _ in real.named_children()]
+    for layer, (_, child) in zip(profile.layers, real.named_children()):
+        assert layer.param_bytes() == sum(p.numel() * 4 for p in child.parameters())
+    # Megatron pairs: layers 0 and 4 column-wise (weight and bias split), 2 and 6 row-wise (weight only)
+    assert [layer.tensor_split for layer in profile.layers] == [True, False, True, False, True, False, True]
+    assert profile.layers[2].params == ((512 * 128 * 4, True), (128 * 4, False))
+    for p in (2, 3):
+        sizes = [len(list(s.children())) for s in split_sequential(real, p)]
+        assert profile.pipeline_cuts[p] == tuple(sum(sizes[:i]) for i in range(1, p))
+    # 2 * in * out FLOPs per Linear forward, twice that backward (input and weight gradients), per sample;
+    # the first layer's input needs no gradient.
+    assert profile.layers[2].flops == 3 * 2 * 512 * 128
+    assert profile.layers[0].flops == 2 * 2 * 512 * 128
+    # refusals are wrap_model's own messages
+    assert "needs at least 8 children" in profile.refuse(pp.Topology(pipeline=8), 0)
+    assert profile.refuse(pp.Topology(data=2, tensor=2), 2) is None
+
+
+def test_profile_of_the_transformer_uses_its_plan_and_inputs():
+    profile = TorchAdvisor().profile(TRANSFORMER, 8, 16)
+    assert profile is not None
+    embed, *blocks, head = profile.layers
+    assert not embed.tensor_split and not head.tensor_split and all(b.tensor_split for b in blocks)
+    # per block and sample: the inputs of q, k, v and up (their gradients all-reduced in backward) and the
+    # outputs of o and down (all-reduced in forward), 16 x 128 floats each
+    assert all(b.tensor_allreduces == 6 and b.tensor_allreduce_bytes == 6 * 16 * 128 * 4 for b in blocks)
+    assert head.out_bytes == 16 * 256 * 4
+    assert profile.microbatches[2] == 2
+    # a batch the micro-batches do not divide is refused naming the fix
+    assert "microbatches=2" in TorchAdvisor().profile(TRANSFORMER, 6, 16).refuse(pp.Topology(data=2, pipeline=2), 0)
+
+
+RUNS = {
+    MLP: [(pp.Topology(data=2), 0), (pp.Topology(data=2), 1), (pp.Topology(tensor=2), 0)],
+    TRANSFORMER: [(pp.Topology(data=2), 3), (pp.Topology(pipeline=2), 0), (pp.Topology(tensor=2), 0)],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", [MLP, TRANSFORMER])
+def test_memory_estimate_within_ten_percent_of_measured(model):
+    advisor, batch, seq = TorchAdvisor(), 8, 16
+    profile = advisor.profile(model, batch, seq)
+    assert profile is not None
+    measured = advisor.measure(model, batch, seq, RUNS[model], steps=1, optimizer="adam", timeout=240)
+    for (topology, stage), got in zip(RUNS[model], measured):
+        est = estimate(profile, topology, stage, batch, load_links(topology.world_size))
+        for part in ("parameters", "gradients", "optimizer"):
+            real = got["memory_max"][part]
+            assert real > 0 and abs(est.memory[part] - real) <= 0.10 * real, (topology, stage, part, est.memory, got)
+        assert got["step_s"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_cli_bench_comm_then_plan_json_with_measure(tmp_path):
+    cache = tmp_path / "cli-cache"
+    bench = cli("bench-comm", "--world", "2", "--sizes", "4096,65536", "--iters", "3", "--json", cache=cache)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    result = json.loads(bench.stdout)
+    assert result["world"] == 2 and result["allreduce_busbw"] > 0 and result["flops"] > 0
+    assert set(result["table"]) == {"all_reduce", "all_gather"} and Path(result["cache"]).parent == cache
+    plan = cli("plan", "--model", MLP, "--world", "2", "--batch", "6", "--json", "--measure", "1", "--steps", "2",
+               cache=cache)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    out = json.loads(plan.stdout)
+    assert out["links"]["source"].startswith("measured") and out["links"]["allreduce_busbw"] == result["allreduce_busbw"]
+    rows = {(c["data"], c["tensor"], c["pipeline"], c["zero"]): c for c in out["candidates"]}
+    # tensor=2 splits 128/512-wide layers: accepted; zero=1 with data=2 accepted; 6 samples over a pipeline of 2
+    # micro-batches: 6 % 2 == 0, accepted
+    assert rows[(1, 2, 1, 0)]["refused"] is None and rows[(2, 1, 1, 1)]["refused"] is None
+    (measured,) = out["measured"]
+    best = next(c for c in out["candidates"] if c["refused"] is None)
+    assert measured["candidate"] == best and measured["step_s"] > 0
+    assert len(measured["memory_bytes"]) == 2  # one entry per rank
+
+
+def test_cli_shows_refused_topologies_with_the_runtime_reason(tmp_path):
+    plan = cli("plan", "--model", MLP, "--world", "8", "--batch", "12", cache=tmp_path, timeout=120)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    text = plan.stdout
+    assert "refused:" in text
+    assert "torch data=1 tensor=1 pipeline=8 zero=0: pipeline=8 needs at least 8 children" in text
+    assert "does not divide over data=8" in text
+    assert "cannot combine pipeline=2 with tensor=2" in text
+    assert "run `polyparallel bench-comm --world 8`" in text
+    bad = cli("plan", "--model", "examples.advisor_models:nothing", "--world", "2", "--batch", "2", cache=tmp_path,
+              timeout=120)
+    assert bad.returncode != 0 and "has no callable 'nothing'" in bad.stderr
+
+
+RUNS_4 = [(pp.Topology(data=2, tensor=2), 2), (pp.Topology(data=2, pipeline=2), 3), (pp.Topology(data=4), 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_memory_estimate_on_four_ranks():
+    """FSDP2 over data on the 2-D mesh after the tensor plan, pipeline stages sharded over data,
+    and ZeroRedundancyOptimizer's sorted-greedy partition of whole parameters over 4 ranks."""
+    advisor, batch, seq = TorchAdvisor(), 8, 16
+    profile = advisor.profile(TRANSFORMER, batch, seq)
+    assert profile is not None
+    measured = advisor.measure(TRANSFORMER, batch, seq, RUNS_4, steps=1, optimizer="adam", timeout=300)
+    for (topology, stage), got in zip(RUNS_4, measured):
+        est = estimate(profile, topology, stage, batch, load_links(4))
+        for part in ("parameters", "gradients", "optimizer"):
+            real = got["memory_max"][part]
+            assert real > 0 and abs(est.memory[part] - real) <= 0.10 * real, (topology, stage, part, est.memory, got)
+
+
+class Scaled(torch.nn.Module):
+    """A root that holds a parameter of its own beside its children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def scaled() -> dict:
+    return {"model": Scaled(), "inputs": lambda batch, seq: (torch.randn(batch, 8), torch.randn(batch, 8))}
+
+
+def test_parameters_of_the_root_itself_are_counted():
+    profile = TorchAdvisor().profile(f"{__name__}:scaled", 4, None)
+    assert profile is not None
+    assert sum(layer.param_bytes() for layer in profile.layers) == (8 * 8 + 8 + 8) * 4
+    assert "pipeline=2 needs an nn.Sequential" in profile.refuse(pp.Topology(pipeline=2), 0)

@@ -1,0 +1,159 @@
+"""Hang and desync reports of the torch runtime: the trace records every collective, a timeout
+says what every rank of the group was doing (through the store, while the group is stuck), a
+desync names both sides' locations, and the launch writes every rank's trace."""
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import polyparallel as pp
+from polyparallel import _trace, _trace_report
+
+pytestmark = pytest.mark.multiprocess
+
+SKIP_LINE = "# rank 1 skips reduce_metrics here"
+
+
+def _skip_reduce(strategy):
+    strategy.reduce_metrics({"loss": pp.Mean(1.0, 1)})  # #1: every rank
+    if strategy.rank == 0:
+        strategy.reduce_metrics({"loss": pp.Mean(2.0, 1)})  # #2: rank 0 only
+    else:
+        time.sleep(strategy.timeout + 8)  # rank 1 skips reduce_metrics here
+    return strategy.rank
+
+
+def _desync(strategy):
+    model = nn.Linear(3, 2)
+    strategy.reduce_metrics({"x": 1.0})
+    model(torch.ones(1, 3)).sum().backward()
+    if strategy.rank == 0:
+        strategy.sync_states(model)  # rank 0: sync_states
+    else:
+        strategy.sync_grads(model)  # rank 1: sync_grads
+    return strategy.rank
+
+
+def _line_of(fn, text):
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_is_named_with_its_last_collective_and_stack(tmp_path):
+    strategy = pp.Strategy(data=2, timeout=6)
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_skip_reduce, strategy, 2, args=(strategy,), timeout=90, trace_dir=str(tmp_path))
+    text = str(info.value)
+    first_line = text.splitlines()[0]
+    here = os.path.basename(__file__)
+    # rank 0's error, on its first line: where rank 1 is, and what rank 0 waits in.
+    assert "rank 0 of 2 failed: CollectiveTimeout: reduce_metrics #2" in first_line, text
+    assert (f"rank 1 has not entered any collective since reduce_metrics #1 ({here}:{_line_of(_skip_reduce, '#1')}, "
+            "done)") in first_line, text
+    assert f"rank 0 waits in reduce_metrics #2 ({here}:{_line_of(_skip_reduce, '#2')})" in first_line, text
+    # rank 1's stack, read through the store while it sleeps: its line, not the launcher's.
+    assert "rank 1's stack" in text and f"line {_line_of(_skip_reduce, SKIP_LINE)}, in _skip_reduce" in text, text
+    # every rank's trace was written
+    traces = _trace_report.read_dir(str(tmp_path))
+    assert sorted(traces) == [0, 1]
+    ops = {r: [(e["operation"], e["seq"], e["state"]) for e in t["entries"] if e["axis"] == "data"]
+           for r, t in traces.items()}
+    assert ops[0][-2:] == [("reduce_metrics", 1, "done"), ("reduce_metrics", 2, "failed")], ops
+    assert ops[1][-1] == ("reduce_metrics", 1, "done"), ops
+    assert traces[0]["header"]["failure"].startswith("CollectiveTimeout") or "reduce_metrics #2" in \
+        traces[0]["header"]["failure"], traces[0]["header"]
+    header, rows = _trace_report.timeline(traces)
+    assert header[-2:] == ["rank 0", "rank 1"]
+    last = rows[-1]
+    assert last[0] == "!" and last[2:4] == ["data", "2"] and "[failed]" in last[4] and last[5] == "-", rows
+
+
+@pytest.mark.timeout(120)
+def test_ranks_at_different_operations_fail_at_once_naming_both_locations():
+    strategy = pp.Strategy(data=2, timeout=30)
+    started = time.monotonic()
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_desync, strategy, 2, args=(strategy,), timeout=90)
+    assert time.monotonic() - started < 25, "detected by the identity check, not by the timeout"
+    text = str(info.value)
+    here = os.path.basename(__file__)
+    states_at, grads_at = _line_of(_desync, "rank 0: sync_states"), _line_of(_desync, "rank 1: sync_grads")
+    assert "CollectiveError: operations out of step over the 'data' axis" in text, text
+    first = text.splitlines()[0]
+    assert "sync_grads #2 on rank 1 vs sync_states #2 on rank 0" in first or \
+        "sync_states #2 on rank 0 vs sync_grads #2 on rank 1" in first, text
+    assert f"rank 0: sync_states #2 at {here}:{states_at}" in text, text
+    assert f"rank 1: sync_grads #2 at {here}:{grads_at}" in text, text
+    assert f"{here}:{states_at}" in first and f"{here}:{grads_at}" in first, text
+
+
+def _recorded(strategy):
+    strategy.wrap_model(nn.Linear(3, 2))  # its parameter broadcast: a checked operation
+    strategy.reduce_metrics({"x": 1.0})
+    return [(e.operation, e.axis, e.seq, e.state) for e in _trace.get_recorder().entries]
+
+
+@pytest.mark.timeout(120)
+def test_every_runtime_collective_is_recorded_with_its_sequence_number(run):
+    out = run(_recorded, pp.Strategy(data=2, timeout=30), 2, pp.Strategy(data=2, timeout=30))
+    for entries in out:
+        names = [(op, axis, seq) for op, axis, seq, state in entries]
+        assert ("init_process_group", "world", None) in names
+        assert ("start the torch runtime", "world", 1) in names
+        assert ("reduce_metrics", "data", entries[-1][2]) == names[-1]
+        assert all(state == "done" for *_, state in entries), entries
+
+
+HANG_SCRIPT = """
+import time
+import polyparallel as pp
+
+s = pp.Strategy(data=2, timeout=6)
+s.reduce_metrics({"loss": 1.0})
+if s.rank == 0:
+    s.reduce_metrics({"loss": 2.0})  # only rank 0
+else:
+    time.sleep(40)  # rank 1 computes instead
+"""
+
+
+def _cli(*args, timeout=150):
+    import sys
+
+    return ["timeout", "-k", "10", str(timeout), sys.executable, "-m", "polyparallel.cli", *args]
+
+
+@pytest.mark.timeout(200)
+def test_cli_launch_prints_the_first_failing_rank_once_and_trace_shows_the_timelines(tmp_path):
+    import subprocess
+
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_SCRIPT)
+    traces = tmp_path / "traces"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(_cli("launch", "--nproc-per-node", "2", "--trace-dir", str(traces), str(script)),
+                          capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
+    err = proc.stderr
+    report = err[err.index("polyparallel launch: "):]
+    assert report.startswith("polyparallel launch: rank 0 failed: CollectiveTimeout: reduce_metrics #2"), err
+    assert "rank 1 has not entered any collective since reduce_metrics #1 (hang.py:6, done)" in report, err
+    assert "rank 0 waits in reduce_metrics #2 (hang.py:8)" in report, err
+    assert 'hang.py", line 10, in <module>' in report, err  # rank 1's stack: its sleep
+    assert err.count('hang.py", line 8, in <module>') == 1, err  # one report, not one traceback per rank
+    shown = subprocess.run(_cli("trace", str(traces), "--rank", "1"), capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    lines = shown.stdout.splitlines()
+    assert any(line.startswith("rank 0 ") and "written at exit after: reduce_metrics #2 over the 'data' axis" in line
+               for line in lines), shown.stdout
+    hang_row = next(line for line in lines if line.startswith("!"))
+    assert "data" in hang_row and "reduce_metrics [failed]" in hang_row and "(hang.py:8)" in hang_row, shown.stdout
+    assert hang_row.rstrip().endswith("-"), shown.stdout  # rank 1 never entered #2
+    assert "rank 1:" in shown.stdout and "hang.py:6" in shown.stdout
