@@ -133,7 +133,7 @@ PROBES: list[Probe] = [
     ("capabilities-stages", lambda pm: pp.Capabilities("x", stages={4}), ValueError,
      r"Capabilities\('x', stages=\) must be a non-empty collection of stages from \(0, 1, 2, 3\)\. Received: \{4\}\."),
     ("plan-zero", lambda pm: command("plan", "--world", "2", "--zero", "5"), CommandFailed,
-     r"Strategy\(zero=\) must be one of 0, 1, 2, 3"),
+     r"Invalid value for '--zero': 5 is not in the range 0<=x<=3"),
     ("replace-unknown-field", lambda pm: S(pm).replace(batch=1), TypeError,
      r"Strategy\.replace\(\) got unknown fields \['batch'\]; expected"),
     ("replace-batch-not-dividing", lambda pm: S(pm, data=2, batch_size=8).replace(data=3), pp.TopologyError,
