@@ -13,6 +13,10 @@
 (c) the recording alone: one ``enter`` + ``finish`` (a frame walk, an entry, two clock reads),
     per entry, in this process.
 
+Next to (a) and (b), a same-vs-same control (recording on against recording on, in the same
+rotation) shows how far this machine's noise alone moves the ratio. The side channel's thread
+runs in both sides (it is per process); ``POLYPARALLEL_TRACE=0`` also stops it.
+
 Ratios > 1 mean recording on is faster (noise); the goal is >= 0.99.
 """
 
@@ -54,11 +58,12 @@ def _step_worker(quick: bool, ddp: bool) -> dict[str, float]:
         strategy.reduce_metrics({"loss": loss.detach()})
         opt.step()
 
-    times: dict[str, list[float]] = {"on": [], "off": []}
+    # "control" is recording on again: the same-vs-same ratio shows this machine's noise.
+    times: dict[str, list[float]] = {"on": [], "off": [], "control": []}
     steps = 20 if quick else 80
     for i in range(steps):
-        pair = [("on", recorder), ("off", None)]
-        for name, rec in (pair if i % 2 else pair[::-1]):  # alternate who goes first
+        sides = [("on", recorder), ("off", None), ("control", recorder)]
+        for name, rec in sides[i % 3:] + sides[:i % 3]:  # rotate who goes first
             rt._rec = rec  # the same on both ranks: they run the same collectives either way
             dist.barrier()
             start = time.perf_counter()
@@ -93,11 +98,14 @@ def main() -> None:
         per_launch = [pp.launch(_step_worker, strategy, 2, args=(args.quick, ddp), timeout=900)[0]
                       for _ in range(launches)]
         ratios = sorted(r["off"] / r["on"] for r in per_launch)
+        control = sorted(r["control"] / r["on"] for r in per_launch)
         on = statistics.median(r["on"] for r in per_launch)
         off = statistics.median(r["off"] for r in per_launch)
-        figures[name] = {"ratios": ratios, "on_s": on, "off_s": off}
+        figures[name] = {"ratios": ratios, "control_ratios": control, "on_s": on, "off_s": off}
         rows.append((f"{name}, trace on/off ({launches} launches)", f"{on * 1e3:.3f} ms vs {off * 1e3:.3f} ms",
                      f"{statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+        rows.append((f"  control: trace on/on again ({launches} launches)", "same vs same",
+                     f"{statistics.median(control):.3f}x (min {control[0]:.3f}, max {control[-1]:.3f})"))
     alone = _record_alone(3 if args.quick else 7)
     figures["record one entry"] = alone
     rows.append(("recording one entry (enter + finish)", f"{alone * 1e6:.2f} us", "-"))
