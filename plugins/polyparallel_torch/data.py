@@ -46,8 +46,11 @@ class TopologySampler(Sampler[int]):
         self.seed, self.shuffle, self.remainder = seed, shuffle, remainder
         self.epoch = 0
         self.pinned = False  # True once set_epoch was called: the epoch no longer advances by itself
-        # (epoch, samples to skip): set when a loader is resumed mid-epoch; the next pass of that
-        # epoch starts after them (one pass only; a pass of another epoch drops it).
+        # (epoch, samples to skip): set when a loader is resumed mid-epoch; passes of that epoch
+        # start after them. Unpinned, only the next pass uses it (the one after is another epoch).
+        # Pinned, it stays until a pass of that epoch runs to its end (ShardedLoader._finish) or
+        # set_epoch moves to another epoch: a peek (next(iter(loader))) on one rank must not
+        # make that rank's real pass restart at batch 0 while its peers continue at batch k.
         self.resume: tuple[int, int] | None = None
         # Called with the epoch at the start of every unpinned pass: a collective check that every
         # rank starts the same pass (None in one process, and when pickled into loader workers).
@@ -61,6 +64,8 @@ class TopologySampler(Sampler[int]):
         the epoch no longer advances by itself."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"set_epoch() takes an int >= 0. Received: {epoch!r}.")
+        if self.resume is not None and self.resume[0] != epoch:
+            self.resume = None  # the resumed epoch was left: its position no longer applies
         self.epoch, self.pinned = epoch, True
 
     def indices(self, epoch: int) -> list[int]:
@@ -78,8 +83,15 @@ class TopologySampler(Sampler[int]):
         return iter(self.indices(epoch)[start:])
 
     def _take_resume(self, epoch: int) -> int:
-        resume, self.resume = self.resume, None
+        resume = self.resume
+        if not self.pinned:  # the next pass is another epoch: this one alone resumes
+            self.resume = None
         return resume[1] if resume is not None and resume[0] == epoch else 0
+
+    def finished(self, epoch: int) -> None:
+        """A counted pass of ``epoch`` ran to its end: a resume position of that epoch is used up."""
+        if self.resume is not None and self.resume[0] == epoch:
+            self.resume = None
 
     def __len__(self) -> int:
         # A resumed pass is shorter: what DataLoader's len() (and the loops reading it) must see.
@@ -125,10 +137,24 @@ class ShardedLoader(DataLoader):
         if iterator is self._current and self._position is not None:
             self._position = (self._position[0], self._position[1] + 1)
             self.global_step += 1
+            sampler = self.sampler
+            assert isinstance(sampler, TopologySampler)
+            if self._position[1] >= self._epoch_batches(sampler):
+                # The last batch of the epoch was yielded: a loop that stops at len() (Ignite's
+                # epoch_length) never asks for the StopIteration, yet used the resume up.
+                sampler.finished(self._position[0])
+
+    def _epoch_batches(self, sampler: TopologySampler) -> int:
+        """Batches of a whole pass of one epoch on this rank."""
+        size = self._per_rank()
+        return sampler._len // size if self.drop_last else -(-sampler._len // size)
 
     def _finish(self, iterator: object) -> None:
         if iterator is self._current and self._position is not None:
             self._finished_epoch, self._position, self._current = self._position[0], None, None
+            sampler = self.sampler
+            assert isinstance(sampler, TopologySampler)
+            sampler.finished(self._finished_epoch)
 
     def state_dict(self) -> dict[str, Any]:
         """The position and what exact resumption needs to agree on: ``epoch``, ``batches``

@@ -332,3 +332,36 @@ def test_shard_data_returns_a_loader_that_counts_what_it_yields(monkeypatch):
     next(it)
     time.sleep(0.2)  # let the worker prefetch
     assert loader.state_dict()["batches"] == 1
+
+
+def test_a_peek_at_a_resumed_pinned_loader_keeps_the_resume_position():
+    # After strategy.load(loader=) a rank that peeks (next(iter(loader)), as a logger does under
+    # Lightning/Ignite, which pin the epoch) must still resume its real pass at batch k, as its
+    # peers that did not peek do; else the ranks train on different positions of the epoch.
+    uninterrupted, first = _loaders(48, 2, 8), _loaders(48, 2, 8)
+    for loader in (*uninterrupted, *first):
+        loader.sampler.set_epoch(0)
+    full = _global_batches(uninterrupted)
+    seen = _global_batches(first, steps=2)
+    state = first[0].state_dict()
+    peeked, plain = _loaders(48, 2, 8)
+    for loader in (peeked, plain):
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(0)  # what the framework calls at the start of the resumed epoch
+    next(iter(peeked))
+    assert len(peeked) == len(plain) == 4
+    assert seen + _global_batches([peeked, plain]) == full
+    # A completed pass uses up the resume: the same pinned epoch again is whole, and the next one too.
+    assert len(peeked) == 6 and len(_global_batches([peeked, plain])) == 6
+    for loader in (peeked, plain):
+        loader.sampler.set_epoch(1)
+    assert len(_global_batches([peeked, plain])) == 6
+
+
+def test_set_epoch_to_another_epoch_drops_a_resume_that_was_not_used():
+    (loader,) = _loaders(48, 1, 8)
+    loader.load_state_dict({**loader.state_dict(), "epoch": 2, "batches": 3, "pinned": True})
+    assert len(loader) == 3
+    loader.sampler.set_epoch(5)
+    loader.sampler.set_epoch(2)  # the resume was for epoch 2 of before; it is gone once the epoch changed
+    assert len(loader) == 6 and loader.state_dict()["batches"] == 0
