@@ -25,9 +25,10 @@ ends with the parameters of an uninterrupted one.
 
 from __future__ import annotations
 
+import numbers
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,7 @@ class PolyparallelSaver(DiskSaver):
         self.dirname = Path(dirname).expanduser().absolute()
         self.roles = _sorted_objects("PolyparallelSaver(to_save=)", to_save)
         self._atomic, self.save_on_rank, self.kwargs = True, 0, {}
+        self._pending: list[str] = []  # names remove() was given, deleted after the next save commits
 
     def state(self) -> dict[str, Any]:
         """The keywords of ``strategy.save``: objects, the engine's state and the other objects' states."""
@@ -132,13 +134,22 @@ class PolyparallelSaver(DiskSaver):
         return state
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
-        """Write ``dirname/filename`` (a directory) on every rank through ``strategy.save``."""
+        """Write ``dirname/filename`` (a directory) on every rank through ``strategy.save``, then
+        remove the checkpoints ``Checkpoint`` dropped before calling it (:meth:`remove`)."""
         self.strategy.save(self.dirname / filename, **self.state())
+        pending, self._pending = self._pending, []
+        if self.strategy.session().rank == 0:
+            for name in pending:
+                if name != filename:  # re-saved under the same name: strategy.save replaced it atomically
+                    shutil.rmtree(self.dirname / name, ignore_errors=True)
 
     def remove(self, filename: str) -> None:
-        """Remove a checkpoint ``Checkpoint`` no longer keeps (``n_saved``): once, by rank 0."""
-        if self.strategy.session().rank == 0:
-            shutil.rmtree(self.dirname / filename, ignore_errors=True)
+        """Remove a checkpoint ``Checkpoint`` no longer keeps (``n_saved``): once, by rank 0, after
+        the save ``Checkpoint`` makes next has committed. Ignite calls ``remove`` *before* that save,
+        also for a file name it is about to write again; removing at once would delete the last
+        committed checkpoint before its successor exists (a failed or killed save would leave none,
+        and peers checking the path would see a directory half deleted)."""
+        self._pending.append(filename)
 
 
 def _is_sharded_loader(loader: Any) -> bool:
@@ -154,7 +165,8 @@ def make_checkpoint(strategy: pp.Strategy, to_save: Mapping[str, Any], dirname: 
 
     :param every: attach it to the trainer engine of ``to_save`` at every ``every``-th
         ``ITERATION_COMPLETED`` (default: not attached; attach it yourself to any event).
-    :param kwargs: ``Checkpoint``'s (``n_saved=``, ``score_function=``, ``filename_prefix=``...);
+    :param kwargs: ``Checkpoint``'s (``n_saved=``, ``score_function=``, ``filename_prefix=``...;
+        every rank uses rank 0's score, so all of them decide alike whether to save);
         ``filename_pattern`` defaults to Ignite's without ``.pt`` (``checkpoint_70``: a directory).
     """
     if "save_handler" in kwargs:
@@ -163,6 +175,8 @@ def make_checkpoint(strategy: pp.Strategy, to_save: Mapping[str, Any], dirname: 
     saver = PolyparallelSaver(strategy, dirname, to_save)
     if kwargs.get("filename_pattern") is None:
         kwargs["filename_pattern"] = _directory_pattern(kwargs)
+    if kwargs.get("score_function") is not None:
+        kwargs["score_function"] = _rank0_score(strategy, kwargs["score_function"])
     handler = Checkpoint(to_save, saver, **kwargs)
     if every is not None:
         from ignite.engine import Events
@@ -175,6 +189,31 @@ def make_checkpoint(strategy: pp.Strategy, to_save: Mapping[str, Any], dirname: 
                             "Add it (to_save={'trainer': trainer, ...}) or attach the handler yourself.")
         engine.add_event_handler(Events.ITERATION_COMPLETED(every=every), handler)
     return handler
+
+
+def _rank0_score(strategy: pp.Strategy, score_function: Callable[[Engine], Any]) -> Callable[[Engine], Any]:
+    """``score_function`` with rank 0's value on every rank. ``Checkpoint`` decides from the score
+    whether to save, and the save is collective: a score computed per rank (a metric of the
+    rank's shard) would make some ranks save and others not, and the savers wait forever. Every
+    rank calls the score at the same event, so one broadcast (bounded by the strategy's timeout)
+    gives all of them rank 0's, with its type (an int names the file ``..._5``, a float ``..._5.0000``)."""
+    from polyparallel_torch.runtime import get_runtime
+
+    def score(engine: Engine) -> Any:
+        value = score_function(engine)
+        session = strategy.session()
+        if session.world_size == 1:
+            return value
+        number = isinstance(value, numbers.Number) and not isinstance(value, complex)
+        shared = torch.tensor([float(value) if number else 0.0, float(number),  # type: ignore[arg-type]
+                               float(isinstance(value, numbers.Integral))], dtype=torch.float64)
+        get_runtime(session).broadcast(shared, "ignite checkpoint (score of rank 0)", "world")
+        if not shared[1]:
+            raise ValueError("checkpoint(score_function=) must return a number (every rank uses rank 0's); "
+                             f"on rank 0 it returned something else{'' if session.rank else f': {value!r}'}.")
+        return int(shared[0].item()) if shared[2] else float(shared[0].item())
+
+    return score
 
 
 def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], to_load: Mapping[str, Any],

@@ -7,6 +7,7 @@
 - Round trip across frameworks on the same model: Lightning at data=2 x tensor=2 saves, Ignite
   at data=4 loads (parameters and momentum equal) and saves, a plain single process loads that
   with ``strategy.load``: parameters and optimizer state equal Lightning's.
+- A score computed per rank saves on every rank alike (rank 0's score decides), without a hang.
 """
 
 import os
@@ -66,14 +67,29 @@ def _resume_worker(strategy, directory):
     restored = ignite.load_checkpoint(os.path.join(directory, f"checkpoint_{STOP}"),
                                       {"model": model, "optimizer": optimizer, "trainer": trainer}, loader=loader)
     trainer.run(loader, max_epochs=2)
-    return {"rank": strategy.rank, "uninterrupted": uninterrupted, "resumed": flat_params(model), "steps": steps,
-            "progress": [restored["epoch"], restored["step"]], "written": sorted(os.listdir(directory))}
+    written, resumed = sorted(os.listdir(directory)), flat_params(model)
+
+    # A score computed per rank (rising on rank 0, falling elsewhere) would make only rank 0 save
+    # from the second step on, and its collective save wait for peers that never come: every rank
+    # decides from rank 0's score instead.
+    model, optimizer, loader, trainer = _job(ignite)
+    rank = strategy.rank
+    scored = ignite.checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer},
+                               os.path.join(directory, "scored"), n_saved=1, score_name="s",
+                               score_function=lambda engine: engine.state.iteration * (1 if rank == 0 else -1))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, scored)
+    trainer.run(loader, max_epochs=1)
+    return {"rank": strategy.rank, "uninterrupted": uninterrupted, "resumed": resumed, "steps": steps,
+            "progress": [restored["epoch"], restored["step"]], "written": written,
+            "scored": sorted(os.listdir(os.path.join(directory, "scored"))), "last": str(scored.last_checkpoint)}
 
 
 def test_ignite_resumes_mid_epoch_exactly(run, tmp_path):
     strategy = pp.Strategy(data=2, tensor=2, batch_size=GLOBAL_BATCH, seed=0, timeout=60)
     results = run(_resume_worker, strategy, 4, strategy, str(tmp_path), timeout=360)
     assert results[0]["written"] == [f"checkpoint_{STOP}"]
+    assert results[0]["scored"] == ["checkpoint_s=5"], "rank 0's best score (the last of 5 steps), kept alone"
+    assert {r["last"] for r in results} == {os.path.join(str(tmp_path), "scored", "checkpoint_s=5")}
     for r in results:
         assert r["progress"] == [1, 2], "saved after step 2 of epoch 1 (0-based)"
         assert r["steps"] == list(range(STOP + 1, 11)), "the resumed run trains only the remaining steps"
@@ -193,3 +209,37 @@ def test_handler_refusals_name_the_problem(tmp_path):
     strategy.save(tmp_path / "plain", model=model, optimizer=optimizer)
     with pytest.raises(pp.CheckpointError, match=r"holds no Ignite engine state"):
         ignite.load_checkpoint(tmp_path / "plain", {"model": model, "trainer": trainer})
+
+
+def test_a_checkpoint_saved_again_under_its_name_survives_a_failed_save(tmp_path):
+    # Ignite calls remove(name) before it saves `name` again; the committed checkpoint must stay
+    # until its successor is committed, so a save that fails leaves the previous one loadable.
+    strategy = pp.Strategy(data=1, seed=0)
+    ignite = strategy.adapt("ignite")
+    model, optimizer, loader, trainer = _plain_job(strategy)
+
+    class Counter:
+        """An extra whose state stops being plain data once broken (the save is then refused)."""
+
+        def __init__(self):
+            self.broken, self.n = False, 0
+
+        def state_dict(self):
+            return {"n": object() if self.broken else self.n}
+
+        def load_state_dict(self, state):
+            self.n = state["n"]
+
+    from ignite.engine import Events
+
+    counter = Counter()
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda engine: setattr(counter, "n", engine.state.iteration))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=3), lambda engine: setattr(counter, "broken", True))
+    ignite.checkpoint({"model": model, "trainer": trainer, "counter": counter}, tmp_path, every=2, n_saved=1,
+                      filename_pattern="latest")
+    with pytest.raises(TypeError, match=r"counter"):
+        trainer.run(loader, max_epochs=1)  # saves at step 2; the save at step 4 is refused
+    assert sorted(os.listdir(tmp_path)) == ["latest"]
+    restored = Counter()
+    ignite.load_checkpoint(tmp_path / "latest", {"model": _plain_job(strategy)[0], "counter": restored})
+    assert restored.n == 2
