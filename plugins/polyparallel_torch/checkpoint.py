@@ -20,9 +20,12 @@ taken and put back with ``torch.distributed.checkpoint.state_dict.get_state_dict
 ``set_state_dict`` (the optimizer's flattened, per parameter name), so keys are the unwrapped
 module's (no ``module.`` prefix from DDP; a pipeline stage keeps the unsplit model's names).
 Before any collective every rank checks the marker, the files' sizes, DCP's index (read with an
-allow-listed unpickler), the model's keys and shapes, and the loader's global batch (for a
-``PipelineModel``, every stage's keys are gathered over the pipeline group first, so the whole
-model's are compared). Then the runtime's identity check (every rank at the same load of the
+allow-listed unpickler), the model's keys and shapes, the optimizer's state keys both ways (a
+state the optimizer would not take is refused, not dropped; a fresh optimizer's state is created
+first even when gradients are present), and the loader's global batch (for a ``PipelineModel``,
+every stage's model and optimizer keys are gathered over the pipeline group first, so the whole
+model's are compared and every stage refuses alike). Saving likewise reads the loader's
+position on every rank before its first collective. Then the runtime's identity check (every rank at the same load of the
 same path) runs before DCP's own collectives over the default group, bounded by the timeout.
 """
 
@@ -177,6 +180,24 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
             part, values["optim"] = _split("optim", optim_state)
             tensors.update(part)
         model_keys = sorted(_all_stages(strategy, model, dict.fromkeys(model_state), "save_checkpoint"))
+    # The metadata, on every rank and before any collective: a loader that has no position
+    # (no batch_size) is refused by every rank alike, not by rank 0 alone after the tensors are written.
+    loader_state = None
+    if loader is not None:
+        try:
+            loader_state = loader.state_dict()
+        except (TypeError, ValueError) as exc:
+            raise pp.CheckpointError(f"Strategy.save(loader=): this loader has no position to save ({exc}). Give "
+                                     "a loader strategy.shard_data made with a batch size, or save without "
+                                     "loader=.") from None
+    metadata = _checkpoints.base_metadata(strategy, session, framework)
+    metadata.update(
+        torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
+        contents={"model": module is not None, "optimizer": bool(optimizers), "loader": loader is not None,
+                  "extras": sorted(state)},
+        loader=loader_state, extras=extras,
+        progress=None if loader_state is None else {"epoch": loader_state["epoch"], "step": loader_state["batches"],
+                                                    "global_step": loader_state["global_step"]})
     token = _token(strategy)
     staging = _checkpoints.staging_path(path, token)
     # Written before any collective of this save: a peer that dies now leaves a staging
@@ -193,20 +214,11 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
         rt.check("save_checkpoint (written)", "world", path)  # every rank finished its files
     if session.rank == 0:
         try:
-            metadata = _checkpoints.base_metadata(strategy, session, framework)
-            loader_state = loader.state_dict() if loader is not None else None
-            metadata.update(
-                torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
-                contents={"model": module is not None, "optimizer": bool(optimizers), "loader": loader is not None,
-                          "extras": sorted(state)},
-                loader=loader_state, extras=extras,
-                progress=None if loader_state is None else {"epoch": loader_state["epoch"], "step": loader_state["batches"],
-                                                            "global_step": loader_state["global_step"]})
             _checkpoints.write_marker(staging, metadata)
             _checkpoints.publish(staging, path)
             outcome = "published"
-        except OSError as exc:
-            outcome = f"failed on rank 0: {exc}"
+        except Exception as exc:  # any error is told to the peers below, which else wait for the timeout
+            outcome = f"failed on rank 0: {type(exc).__name__}: {exc}"
     if session.world_size > 1:
         # Every rank returns once the checkpoint is published (or learns that it was not).
         rt.check("save_checkpoint (publish)", "world", "published" if session.rank else outcome)
@@ -241,11 +253,32 @@ def _merged(files: dict[int, dict[str, Any]], section: str) -> dict[str, Any]:
     return merged
 
 
+def _state_for_load(module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> tuple[dict, dict]:
+    """``get_state_dict`` of ``module`` and ``optimizers``, with the optimizer's state initialised:
+    DCP creates the state of a fresh optimizer (the tensors the checkpoint's are read into) by a
+    step with zero gradients, but skips that when any parameter has a ``.grad`` (a backward ran
+    before the load), which would leave no state to load into and drop the saved one silently.
+    The gradients are set aside for that step and put back."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    fresh = bool(optimizers) and not any(o.state for o in optimizers)
+    grads = [p.grad for p in params] if fresh else []
+    try:
+        if fresh:
+            for p in params:
+                p.grad = None
+        return get_state_dict(module, optimizers, options=_options())
+    finally:
+        for p, grad in zip(params if fresh else [], grads):
+            p.grad = grad
+
+
 def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, Any]:
     """The torch runtime's ``polyparallel_load_checkpoint`` (see ``Strategy.load``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     session = strategy.session()
     model, optimizer, loader = state.get("model"), state.get("optimizer"), _loader(state.get("loader"))
@@ -269,9 +302,14 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
         stored = {k[len("model."):]: (list(v.size) if isinstance(v, TensorStorageMetadata) else None)
                   for k, v in index.items() if k.startswith("model.")}
         stored.update(dict.fromkeys(_merged(files, "model")))
-        model_state, optim_state = get_state_dict(module, optimizers, options=_options())
-        expected = {k: (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
-        expected = _all_stages(strategy, model, expected, "load_checkpoint")  # a pipeline: the whole model's
+        model_state, optim_state = _state_for_load(module, optimizers)
+        optim_tensors = {f"optim.{k}": v for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
+        entries = {f"model.{k}": (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
+        entries.update(dict.fromkeys(optim_tensors))
+        # A pipeline: the whole model's keys (one gather), so that every stage decides the
+        # refusals below alike and none enters the identity check while a peer raised.
+        entries = _all_stages(strategy, model, entries, "load_checkpoint")
+        expected = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
         problem = _mismatch(expected, stored)
         if problem is not None:
             raise pp.CheckpointError(f"Strategy.load: {path!r} holds another model than {type(module).__name__}: "
@@ -281,11 +319,15 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
             raise pp.CheckpointError(f"Strategy.load: {path!r} holds no optimizer state (it was saved without "
                                      "optimizer=); load the model only, or save with the optimizer.")
         tensors.update({f"model.{k}": v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
-        optim_tensors = {f"optim.{k}": v for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
-        absent = sorted(k for k in optim_tensors if k not in index)
-        if absent:
-            raise pp.CheckpointError(f"Strategy.load: {path!r} holds another optimizer's state: {absent[:4]} are "
-                                     "missing. Load it into the optimizer type it was saved with.")
+        if optimizers:
+            wanted = {k for k in entries if k.startswith("optim.")}
+            saved = {k for k, v in index.items() if k.startswith("optim.state.") and isinstance(v, TensorStorageMetadata)}
+            absent, left = sorted(wanted - set(index)), sorted(saved - wanted)
+            if absent or left:
+                what = (f"{absent[:4]} are missing from it" if absent else
+                        f"its {left[:4]} would not be loaded (this optimizer has no such state)")
+                raise pp.CheckpointError(f"Strategy.load: {path!r} holds another optimizer's state: {what}. Load it "
+                                         "into the optimizer type (and settings, e.g. momentum) it was saved with.")
         tensors.update(optim_tensors)
     extras = meta.get("extras") or {}
     extra_tensors = {}

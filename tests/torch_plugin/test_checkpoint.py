@@ -409,3 +409,43 @@ def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypa
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")  # the user's choice is kept
     launch_script(["train.py"], {"nproc_per_node": 1, "max_restarts": 2})
     assert seen[-1] == "0" and os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+
+
+def test_a_loader_without_position_is_refused_before_anything_is_written(tmp_path, unstarted_world):
+    # Its state was read on rank 0 only, after the tensors were written: the other ranks then
+    # waited for rank 0's outcome until the timeout. Every rank now refuses it before any collective.
+    from polyparallel_torch.data import ShardedLoader, TopologySampler
+
+    unstarted_world = unstarted_world()
+    loader = ShardedLoader(_dataset(), batch_size=None, sampler=TopologySampler(N, 0, 2))
+    with pytest.raises(pp.CheckpointError, match=r"save\(loader=\): this loader has no position"):
+        unstarted_world.save(str(tmp_path / "x"), model=_mlp(), loader=loader)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("with_grads", [False, True])
+def test_adam_moments_load_into_a_fresh_optimizer_with_or_without_gradients(tmp_path, with_grads):
+    one = pp.Strategy(data=1, batch_size=BATCH)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batch = next(iter(one.shard_data(_dataset())))
+    for _ in range(2):
+        _step(one, model, opt, batch)
+    one.save(str(tmp_path / "adam"), model=model, optimizer=opt)
+    fresh = _mlp(seed=1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    if with_grads:  # a backward ran before the load: DCP then does not create the optimizer's state
+        nn.functional.cross_entropy(fresh(batch[0]), batch[1]).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in fresh.parameters()]
+    one.load(str(tmp_path / "adam"), model=fresh, optimizer=fresh_opt)
+    _assert_same(_full_optim(fresh, fresh_opt), _full_optim(model, opt), 0)
+    for p, g in zip(fresh.parameters(), grads):  # the gradients are left as they were
+        assert (p.grad is None) == (g is None) and (g is None or torch.equal(p.grad, g))
+    # A checkpoint holding state this optimizer has none of (momentum) is refused, not dropped.
+    sgd_model = _mlp()
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.1, momentum=0.9)
+    _step(one, sgd_model, sgd, batch)
+    one.save(str(tmp_path / "sgd"), model=sgd_model, optimizer=sgd)
+    plain = _mlp()
+    with pytest.raises(pp.CheckpointError, match=r"another optimizer's state: its \['optim.state.*would not be loaded"):
+        one.load(str(tmp_path / "sgd"), model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
