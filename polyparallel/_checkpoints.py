@@ -22,6 +22,7 @@ import fnmatch
 import json
 import math
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -111,12 +112,37 @@ def check_save(path: Any, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
 
 def check_load(path: Any, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """``Strategy.load``'s checks of its arguments (before reading anything)."""
-    path = _path(path, "Strategy.load")
+    path = recovered(_path(path, "Strategy.load"))
     unknown = sorted(set(state) - set(OBJECTS))
     if unknown:
         raise TypeError(f"Strategy.load restores {', '.join(f'{o}=' for o in OBJECTS)} in place; it got {unknown}. "
                         "Extras need no keyword: they come back in the dict it returns.")
     return path, {k: v for k, v in state.items() if v is not None}
+
+
+def recovered(path: str) -> str:
+    """``path``, or — when it is missing because a save of it died between :func:`publish`'s two
+    renames — the committed checkpoint it had been, still under ``<path>.old-<token>`` (the newest
+    such, by commit time). Read-only: the next save of ``path`` publishes there and removes it."""
+    if os.path.lexists(path):
+        return path
+    parent, base = os.path.split(path)
+    if not base or not os.path.isdir(parent or "."):
+        return path
+    best: tuple[int, str] | None = None
+    for name in os.listdir(parent or "."):
+        if name.startswith(base + _ASIDE):
+            meta = _marker_or_none(os.path.join(parent, name))
+            if meta is not None and (best is None or meta.get("saved_at_ns", -1) > best[0]):
+                best = (meta.get("saved_at_ns", -1), os.path.join(parent, name))
+    return path if best is None else best[1]
+
+
+def _marker_or_none(path: str) -> dict[str, Any] | None:
+    try:
+        return read_marker(path)
+    except (CheckpointError, FileNotFoundError):
+        return None
 
 
 # -- the marker ----------------------------------------------------------------------------------------
@@ -196,17 +222,34 @@ def publish(staging: str, path: str) -> None:
     """Make the complete ``staging`` directory the checkpoint ``path`` (one rename); an earlier
     checkpoint at ``path`` is replaced, and stale staging directories of ``path`` (saves that
     died) are removed."""
+    parent, base = os.path.split(path)
     if os.path.lexists(path):
-        aside = path + _ASIDE + os.path.basename(staging).rsplit(_STAGING, 1)[-1]
+        # A fresh name for each save: an earlier aside whose removal failed never blocks this one.
+        # Killed between the renames, the old checkpoint stays loadable there (recovered()).
+        aside = path + _ASIDE + secrets.token_hex(6)
         os.rename(path, aside)
         os.rename(staging, path)
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(staging, path)
-    parent, base = os.path.split(path)
+    _sync_directory(parent)  # the renames are durable before the save returns
     for name in os.listdir(parent):
         if name.startswith(base + _STAGING) or name.startswith(base + _ASIDE):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _sync_directory(directory: str) -> None:
+    """fsync a directory (its entries: a rename in it); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a directory; the data files are synced already
+    finally:
+        os.close(fd)
 
 
 def verify_files(path: str, metadata: dict[str, Any]) -> None:
@@ -305,7 +348,12 @@ def list_checkpoints(directory: str | os.PathLike[str], pattern: str = "step-*")
     found: list[dict[str, Any]] = []
     for name in sorted(os.listdir(directory)):
         full = os.path.join(directory, name)
-        if not fnmatch.fnmatch(name, pattern) or not os.path.isdir(full) or _ASIDE in name:
+        if _ASIDE in name:
+            # The committed checkpoint a save moved aside and died before replacing (recovered()).
+            base = name.split(_ASIDE, 1)[0]
+            if not fnmatch.fnmatch(base, pattern) or recovered(os.path.join(directory, base)) != full:
+                continue
+        elif not fnmatch.fnmatch(name, pattern) or not os.path.isdir(full):
             continue
         meta = None
         if _STAGING not in name:

@@ -123,6 +123,8 @@ def write_rank_file(directory: str, rank: int, values: dict[str, Any]) -> None:
     payload = {"rank": rank, "rng": _checkpoints.split(rng_states(), lambda _: False, "rng")[0], "values": values}
     with open(os.path.join(directory, RANKS, f"rank-{rank:05d}.json"), "w", encoding="utf-8") as f:
         f.write(_checkpoints.dumps(payload))
+        f.flush()
+        os.fsync(f.fileno())  # durable before the marker commits the checkpoint (as DCP syncs its files)
 
 
 def read_rank_files(path: str) -> dict[int, dict[str, Any]]:

@@ -145,3 +145,17 @@ def test_split_and_join_keep_tensors_out_of_the_json():
     assert json.loads(_checkpoints.dumps(value)) == value
     assert _checkpoints.tensor_refs(value) == ["extras.a.0", "extras.a.1.1"]
     assert _checkpoints.join(value, tensors) == {"a": [t, (1, t)], "b": 2.5}
+
+
+def test_a_save_killed_between_its_renames_leaves_the_old_checkpoint_loadable(strategy, tmp_path):
+    path = strategy.save(tmp_path / "step-5", v=1)
+    os.rename(path, path + ".old-abc")  # what publish leaves when killed after moving the old one aside
+    assert pp.latest_checkpoint(tmp_path) == path + ".old-abc"
+    assert [c["name"] for c in _checkpoints.list_checkpoints(tmp_path)] == ["step-5.old-abc"]
+    assert strategy.load(path)["v"] == 1
+    strategy.save(path, v=2)  # publishes at path and clears the aside
+    assert sorted(os.listdir(tmp_path)) == ["step-5"] and strategy.load(path)["v"] == 2
+    # An aside whose removal failed (here: one named like the session's staging token) never blocks a save.
+    os.makedirs(os.path.join(path + ".old-t0", "left"))
+    strategy.save(path, v=3)
+    assert strategy.load(path)["v"] == 3 and pp.latest_checkpoint(tmp_path) == path
