@@ -181,8 +181,8 @@ class CheckpointMixin:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported: the "
                             "checkpoint is written by torch.distributed.checkpoint, not a CheckpointIO.")
+        optimizer = self._checkpoint_optimizer(checkpoint)  # refused before the broadcast (a collective)
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # type: ignore[attr-defined]
-        optimizer = self._checkpoint_optimizer(checkpoint)
         lightning = {k: v for k, v in checkpoint.items() if k not in _TENSOR_STATE}
         state: dict[str, Any] = {"model": self.lightning_module, "framework": "lightning",  # type: ignore[attr-defined]
                                  "lightning": lightning}
@@ -242,6 +242,9 @@ class CheckpointMixin:
         if len(optimizers) == 1:
             state["optimizer"] = optimizers[0]
         elif len(optimizers) > 1:
+            # After the path's broadcast: which kind of checkpoint it is (an older single file
+            # with several optimizers loads) is known only from rank 0's path. Every rank runs
+            # that broadcast and has the same optimizers, so every rank raises here alike.
             raise TypeError(f"The polyparallel Lightning checkpoint holds one optimizer; this module has "
                             f"{len(optimizers)}.")
         restored = self._pp.load(path, **state)

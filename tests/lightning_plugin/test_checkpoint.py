@@ -159,6 +159,9 @@ def test_refuses_checkpoints_without_lightning_state_and_several_optimizers(tmp_
     module.automatic_optimization = False
     trainer = make_trainer(strategy, NS, max_steps=1, limit_val_batches=0)
     trainer.fit(module, _loader())
+    collectives = []
+    trainer.strategy.broadcast = lambda obj, src=0: collectives.append(obj) or obj  # records it, one process
     with pytest.raises(TypeError, match=r"holds one optimizer; configure_optimizers returned 2"):
         trainer.save_checkpoint(str(tmp_path / "two"))
     assert not (tmp_path / "two").exists()
+    assert collectives == [], "refused before the path's broadcast (a collective every rank would enter)"
