@@ -369,7 +369,8 @@ def list_checkpoints(directory: str | os.PathLike[str], pattern: str = "step-*")
 def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "step-*") -> str | None:
     """The newest *committed* checkpoint among ``directory``'s subdirectories named ``pattern``
     (newest by commit time), or ``None`` when there is none (or no ``directory``). Half-written
-    ones (a job killed while saving) are skipped.
+    ones (a job killed while saving) are skipped. The default ``pattern`` matches ``step-*``
+    names only: pass ``pattern="*.ckpt"`` for Lightning's, ``"checkpoint_*"`` for Ignite's.
 
     >>> ckpt = polyparallel.latest_checkpoint("ckpts")              # doctest: +SKIP
     >>> progress = strategy.load(ckpt, model=model, optimizer=opt, loader=loader) if ckpt else None  # doctest: +SKIP

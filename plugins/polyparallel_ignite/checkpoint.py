@@ -205,7 +205,7 @@ def _rank0_score(strategy: pp.Strategy, score_function: Callable[[Engine], Any])
         if session.world_size == 1:
             return value
         number = isinstance(value, numbers.Number) and not isinstance(value, complex)
-        shared = torch.tensor([float(value) if number else 0.0, float(number),  # type: ignore[arg-type]
+        shared = torch.tensor([float(value) if number else 0.0, float(number),
                                float(isinstance(value, numbers.Integral))], dtype=torch.float64)
         get_runtime(session).broadcast(shared, "ignite checkpoint (score of rank 0)", "world")
         if not shared[1]:

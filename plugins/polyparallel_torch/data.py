@@ -25,7 +25,9 @@ class TopologySampler(Sampler[int]):
     - ``set_epoch(e)`` (what Lightning's and Ignite's loops call, as for ``DistributedSampler``)
       pins the epoch: every later pass uses ``e`` until the next ``set_epoch``. A rank may then
       iterate its loader more often than its peers (a logger peeking at one batch with
-      ``next(iter(loader))``) without changing what its replicas see.
+      ``next(iter(loader))``) without changing what its replicas see; after a checkpoint's
+      ``load_state_dict`` the resumed position stays until a pass of that epoch has yielded its
+      last batch (a peek does not use it up).
     - Until then each pass (each ``iter()``) uses the current epoch and moves to the next, so a
       plain ``for epoch in ...: for batch in loader`` loop reshuffles every epoch, also when it
       breaks off a pass after a number of steps. Because a rank that iterates once more than its
