@@ -36,7 +36,11 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Entry", "Recorder", "caller", "configure", "enabled", "get_recorder", "CAPACITY", "STATES"]
+__all__ = ["Entry", "Recorder", "caller", "configure", "enabled", "get_recorder", "CAPACITY", "FEATURE", "STATES"]
+
+FEATURE = "collective_trace"
+"""The :class:`polyparallel.Capabilities` feature of a runtime whose collectives are recorded here
+(``launch(trace_dir=)`` is refused for a runtime without it: nothing would be written)."""
 
 CAPACITY = 256
 """Entries kept per process (the oldest are dropped)."""
