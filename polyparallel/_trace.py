@@ -15,7 +15,8 @@ loop is placed both in Lightning and in the user's ``trainer.fit(...)`` line.
 
 Recording costs about a microsecond per collective (0.8 µs measured for one entry, entered and
 finished: a frame walk, one small object, two ``time.time()`` calls; ``benchmarks/bench_trace.py``);
-``POLYPARALLEL_TRACE=0`` turns it off (and the hang reports and trace files with it). The buffer is process-wide, like logging: one process is one rank.
+``POLYPARALLEL_TRACE=0`` turns it off (and the hang reports and trace files with it). The buffer
+is process-wide, like logging: one process is one rank.
 
 ``POLYPARALLEL_TRACE_DIR`` (or :func:`configure`, used by ``polyparallel.launch(trace_dir=)`` and
 ``polyparallel launch --trace-dir``) makes the process write its buffer as JSON lines to
