@@ -31,13 +31,15 @@ The model of a step (every figure is per rank, for the rank that holds the most)
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -322,24 +324,46 @@ def advise(profile: ModelProfile, world: int, batch: int, stages: Sequence[int],
     return accepted + refused
 
 
+@contextlib.contextmanager
+def _cwd_importable() -> Iterator[None]:
+    """The current directory first on ``sys.path`` for the block only (unless already there)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(cwd)
+
+
 def resolve_factory(spec: str) -> Callable[[], Any]:
     """The callable named by ``module:factory`` (``examples.advisor_models:mlp``). The module is
-    imported as ``python -m`` would find it: the current directory comes first on ``sys.path``
-    (added for this process, and inherited by the processes ``--measure`` spawns)."""
+    imported as ``python -m`` would find it: the current directory comes first on ``sys.path``,
+    while it is imported and while the returned callable runs (for the imports the factory
+    makes), and only then: ``sys.path`` is left as it was. The processes ``--measure`` spawns
+    resolve the name themselves, from the same directory."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must be MODULE:FACTORY (e.g. examples.advisor_models:mlp). Received: {spec!r}.")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        with _cwd_importable():
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"--model {spec}: cannot import {module_name!r} ({exc}); give a module importable from the "
                          f"current directory or the Python path.") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec}: {module_name!r} has no callable {attr!r}.")
-    return factory
+
+    @functools.wraps(factory)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        with _cwd_importable():
+            return factory(*args, **kwargs)
+
+    return build
 
 
 # -- the cache of measured links -----------------------------------------------------------------------------

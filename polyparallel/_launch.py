@@ -8,7 +8,7 @@ import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _routing
+from . import _routing, _trace
 from ._errors import NoPluginError, TopologyError
 
 if TYPE_CHECKING:
@@ -51,7 +51,9 @@ def launch(
     :param trace_dir: a directory where every process writes its collective trace
         (``rank<r>.jsonl``: the last collectives it issued, with their callers) when a collective
         fails and when it exits; read it with ``polyparallel trace DIR``. ``None``: not written
-        (``POLYPARALLEL_TRACE_DIR`` in the environment does the same for any process).
+        (``POLYPARALLEL_TRACE_DIR`` in the environment does the same for any process). Only a
+        runtime that records its collectives (feature ``"collective_trace"``: torch) takes it; for
+        another one (JAX, XLA) it is refused with a ``TypeError`` before any process starts.
     :raises NoPluginError: no runtime is installed (with the extra to install), or the runtime
         cannot start processes.
     """
@@ -101,6 +103,10 @@ def launch(
     # may shard by itself, as DeepSpeed does), else the runtime.
     adapter_named = runtime is not None and runtime not in pm.runtimes()
     pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage)
+    if trace_dir is not None and _trace.FEATURE not in pm.runtimes()[chosen].features:
+        raise TypeError(f"launch(trace_dir={trace_dir!r}): the {chosen!r} runtime does not record its collectives "
+                        f"(its capabilities lack the {_trace.FEATURE!r} feature), so no trace would be written. "
+                        "Drop trace_dir=, or use a runtime that records (torch).")
     _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})")
     args, kwargs = tuple(args), dict(kwargs or {})
     try:  # here, not in a half-started job: the processes get them pickled

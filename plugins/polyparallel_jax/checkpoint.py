@@ -88,7 +88,9 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     ``path`` (an earlier checkpoint there is replaced; any other existing path is refused).
 
     Every process calls it (each writes its own shards); process 0 writes the marker and
-    publishes the directory; no process returns before it is published. Returns the path.
+    publishes the directory; no process returns before it is published. Should process 0 fail
+    to commit, it raises its error and every other process :class:`polyparallel.CheckpointError`
+    (none waits for a commit that will not come). Returns the path.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -104,11 +106,32 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     finally:
         checkpointer.close()
     _barrier("polyparallel_jax.checkpoint.written")
+    failure: Exception | None = None
     if jax.process_index() == 0:
-        core.write_marker(staging, dict(metadata))
-        core.publish(staging, path)
-    _barrier("polyparallel_jax.checkpoint.published")
+        try:
+            core.write_marker(staging, dict(metadata))
+            core.publish(staging, path)
+        except Exception as exc:  # told to every process below, so none waits for a commit that failed
+            failure = exc
+    if not _everyone_knows(failure is None):
+        if failure is not None:
+            raise failure  # process 0: its own error, the most precise
+        raise CheckpointError(
+            f"Saving the checkpoint at {path!r} failed on process 0: it could not write the commit marker or "
+            "publish the directory (its own error says why). This process wrote its shards, but the save was not "
+            "committed; fix the cause (disk space, permissions) and save again.")
     return path
+
+
+def _everyone_knows(ok: bool) -> bool:
+    """Process 0's ``ok`` in every process (the barrier after the commit, with its outcome)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.int32(1 if ok else 0)))
 
 
 def _token() -> str:

@@ -34,6 +34,9 @@ from polyparallel._advisor import LayerProfile, ModelProfile, RuntimeTraits, res
 
 __all__ = ["TorchAdvisor", "build"]
 
+BENCH = "bench_comm"
+"""The operation name of the collectives benchmark (in the trace and in errors)."""
+
 #: FSDP2 frees the gathered parameters between steps at stage 2 too (sharding.py); stage 1 is
 #: torch's ZeroRedundancyOptimizer (whole parameters, sorted-greedy); pipelined stages keep
 #: their units gathered from forward to backward.
@@ -293,7 +296,11 @@ def measure_rank(strategy: pp.Strategy, spec: str, batch: int, seq_len: int | No
 
 
 def bench_rank(strategy: pp.Strategy, sizes: list[int], iters: int) -> dict[str, Any]:
-    """In each launched process: time the collectives (every rank the same calls) and a matmul."""
+    """In each launched process: time the collectives (every rank the same calls) and a matmul.
+
+    The collectives go through the runtime: one identity check and one trace entry for the whole
+    benchmark (``bench_comm``), each wait bounded by the strategy's timeout, a failure raised as a
+    :class:`polyparallel.CollectiveError` naming the rank."""
     import torch
     import torch.distributed as dist
 
@@ -302,23 +309,32 @@ def bench_rank(strategy: pp.Strategy, sizes: list[int], iters: int) -> dict[str,
     rt = get_runtime(strategy.session())
     group, n = rt.group("data"), strategy.session().world_size
     table: dict[str, dict[str, dict[str, float]]] = {"all_reduce": {}, "all_gather": {}}
-    for size in sizes:
-        x = torch.ones(size // 4)
-        parts = [torch.empty(size // 4 // n) for _ in range(n)]
-        calls: dict[str, Callable[[], Any]] = {
-            "all_reduce": functools.partial(dist.all_reduce, x, group=group),
-            "all_gather": functools.partial(dist.all_gather, parts, x[: len(parts[0])], group=group)}
-        for op, once in calls.items():
-            once()  # warm-up (connections, buffers)
-            samples = []
-            for _ in range(iters):
-                dist.barrier(group=group)  # every rank starts together: the time is the collective's
-                start = time.perf_counter()
-                once()
-                samples.append(time.perf_counter() - start)
-            elapsed = statistics.median(samples)  # robust to a rank descheduled by other load
-            factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-            table[op][str(size)] = {"time_s": elapsed, "busbw": size * factor / elapsed}
+
+    def bounded(start: Callable[[], Any]) -> None:
+        with rt.collective(BENCH, "data", label):
+            work = start()
+        rt.wait(work, BENCH, "data", label)
+
+    with rt.operation(BENCH, "data", f"sizes {sizes}, {iters} iterations") as label:
+        for size in sizes:
+            x = torch.ones(size // 4)
+            parts = [torch.empty(size // 4 // n) for _ in range(n)]
+            calls: dict[str, Callable[[], Any]] = {
+                "all_reduce": functools.partial(dist.all_reduce, x, group=group, async_op=True),
+                "all_gather": functools.partial(dist.all_gather, parts, x[: len(parts[0])], group=group,
+                                                async_op=True)}
+            for op, once in calls.items():
+                bounded(once)  # warm-up (connections, buffers)
+                samples = []
+                for _ in range(iters):
+                    # every rank starts together: the time is the collective's
+                    bounded(functools.partial(dist.barrier, group=group, async_op=True))
+                    begin = time.perf_counter()
+                    bounded(once)
+                    samples.append(time.perf_counter() - begin)
+                elapsed = statistics.median(samples)  # robust to a rank descheduled by other load
+                factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+                table[op][str(size)] = {"time_s": elapsed, "busbw": size * factor / elapsed}
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     a @ b
     start, reps = time.perf_counter(), 20

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 import polyparallel as pp
+from polyparallel import _trace
 
 from .model import is_ddp
 from .runtime import TorchRuntime
@@ -201,14 +202,17 @@ class _Layout:
         # work that changes no .grad and starts no collective, so a mismatch still raises before any
         # payload, and the check's latency (and the other ranks' lateness) hides behind the packing.
         pending = rt.start_check(OPERATION, "data", detail) if check else False
-        mines = [bucket.mine(grads) for bucket in self.buckets]
-        in_place = [bucket.flat is not None and self._fill(bucket, mine, all_present)
-                    for bucket, mine in zip(self.buckets, mines)]
-        for bucket in self.buckets:
-            if bucket.tail is not None:
-                self._flags_into(bucket.tail, grads, all_present)
-        if self.presence is not None:
-            self._flags_into(self.presence, grads, all_present)
+        try:
+            mines = [bucket.mine(grads) for bucket in self.buckets]
+            in_place = [bucket.flat is not None and self._fill(bucket, mine, all_present)
+                        for bucket, mine in zip(self.buckets, mines)]
+            for bucket in self.buckets:
+                if bucket.tail is not None:
+                    self._flags_into(bucket.tail, grads, all_present)
+            if self.presence is not None:
+                self._flags_into(self.presence, grads, all_present)
+        except Exception as exc:
+            raise _packing_failed(rt, pending, exc) from exc
         with rt.operation(OPERATION, "data", detail, check=pending) as label:
             if not self.buckets:
                 return
@@ -308,6 +312,28 @@ class _Layout:
                 _local(g).copy_(v)
             else:
                 p.grad = _as_grad_of(p, v.clone())
+
+
+def _packing_failed(rt: TorchRuntime, pending: Any, exc: Exception) -> pp.CollectiveError:
+    """This rank could not pack its gradients (e.g. a ``.grad`` whose shape or device is not its
+    parameter's) after its identity check started: the peers, who agreed, now start the payload
+    all-reduces this rank will not join. Wait for the check (its all-reduce is in flight: leaving
+    it would pair it with a later collective), close its trace entry with the error and mark the
+    runtime broken, so that every later collective here is refused; the peers' all-reduces end at
+    the strategy's timeout with a hang report naming this rank's failed ``sync_grads``. Returns
+    the error to raise."""
+    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if callable(pending):
+        with contextlib.suppress(Exception):  # the packing error is the one to raise
+            _, entry = pending()
+            _trace.Recorder.finish(entry, reason)
+    rt.mark_broken(f"{OPERATION} could not pack this rank's gradients ({reason})")
+    return pp.CollectiveError(
+        f"{OPERATION} on rank {rt.rank} could not pack this rank's gradients into its buffers ({reason}). Every "
+        "parameter's .grad must have the parameter's shape, dtype and device (a .grad replaced through .data?). "
+        "The peers had already agreed to reduce them: they will time out in this sync_grads, and this runtime is "
+        "now broken. Fix the gradients and restart the processes.",
+        operation=OPERATION, axis="data", rank=rt.rank)
 
 
 def _set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:

@@ -527,7 +527,11 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     if fresh_store:
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if command and not command[0].startswith("-"):  # a script: run through the reporting wrapper
-        argv += ["-m", "polyparallel_torch.script"]
+        # -P: the interpreter does not put the working directory first on sys.path (`-m` would,
+        # and `python SCRIPT` does not); the wrapper puts the script's folder there instead.
+        # torchrun's own `-m` cannot take interpreter flags: it runs the command as given instead
+        # (with -u, as it would).
+        argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", "-P", "-m", "polyparallel_torch.script"]
     trace_dir = options.get("trace_dir")
     saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
     if trace_dir:  # the agent hands this process's environment to the workers

@@ -23,7 +23,7 @@ RUNTIME = "torch"
 CAPABILITIES = pp.Capabilities(
     RUNTIME, axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
     features={"ddp", "fsdp2", "zero_redundancy_optimizer", "dcp_checkpoint", "tensor_parallel_plan",
-              "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts"},
+              "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts", "collective_trace"},
     # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
     imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
     # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).

@@ -1,7 +1,8 @@
 """``python -m polyparallel_torch.script SCRIPT [ARGS]``: one worker of ``polyparallel launch``.
 
-torchrun starts every worker through this module, which runs the script as ``__main__`` (like
-``python SCRIPT``) and, when it raises, writes the error where torchrun's agent looks for it
+torchrun starts every worker through this module (as ``python -u -P -m polyparallel_torch.script``),
+which runs the script as ``__main__`` like ``python SCRIPT`` (the script's folder first on
+``sys.path``, the working directory not on it) and, when it raises, writes the error where torchrun's agent looks for it
 (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``, plus a ``polyparallel``
 record: rank, time, whether it is a collective failure, the whole traceback) and prints one line
 instead of the traceback. The launcher (:func:`polyparallel_torch.launch.launch_script`) then
@@ -43,6 +44,19 @@ def record_error(exc: BaseException) -> None:
         pass
 
 
+def _script_path_first(folder: str) -> None:
+    """Make ``sys.path`` what ``python SCRIPT`` gives: the script's folder first, the working
+    directory not at all (its json.py or typing.py would shadow the standard library's). The
+    launcher starts this module with ``python -P -m`` so that the interpreter never adds the
+    working directory (a plain ``-m`` does, before any import of this module could undo it)."""
+    if os.environ.get("PYTHONSAFEPATH"):
+        return  # the user asked for a safe path: `python SCRIPT` would add nothing either
+    if __name__ == "__main__" and not sys.flags.safe_path and sys.path:
+        sys.path[0] = folder  # a plain `python -m`: replace the working directory it put first
+    else:
+        sys.path.insert(0, folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run ``argv[0]`` as ``__main__`` with ``argv[1:]`` as its arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -50,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m polyparallel_torch.script SCRIPT [ARGS]")
     script = argv[0]
     sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` does
+    _script_path_first(os.path.dirname(os.path.abspath(script)))
     try:
         runpy.run_path(script, run_name="__main__")
     except (SystemExit, KeyboardInterrupt):

@@ -11,7 +11,9 @@ thread is blocked in a collective (the backend releases the GIL while it waits) 
 Python (the interpreter switches threads every few milliseconds). The waiting rank reads them
 for a few seconds and :func:`polyparallel._trace_report.describe_group` turns them into the
 lines of its :class:`polyparallel.CollectiveTimeout`. A rank whose runtime closed publishes a
-last state marked ``exited``; a rank that never answers is named as such.
+last state marked ``exited``; a rank that never answers is named as such. A later channel of the
+same process (a new runtime after every earlier one closed) replaces that state with a live one
+at once and ignores the requests made before it.
 
 Nothing of this runs on the hot path: recording is the ring buffer's job; the store is touched by
 the thread only, and by a failing rank.
@@ -51,10 +53,15 @@ class SideChannel:
 
     def __init__(self, store: Any, rank: int, recorder: _trace.Recorder, poll_s: float = POLL_S):
         self.store, self.rank, self.recorder, self.poll_s = store, rank, recorder, poll_s
-        self._seen = 0
+        # The prefix changes only per torchrun restart: an earlier channel of this process (an
+        # earlier runtime, closed) may have left the request counter up and this rank's state
+        # marked ``exited``. Requests made before this channel are not for it, and a fresh state
+        # says the rank is alive (a peer's collect would otherwise report it as exited).
+        self._seen = int(store.add("request", 0))
         self._dead = False
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one publication at a time (thread and failing rank)
+        self.publish(self._seen, stack=False, fresh=True)
         self._thread = threading.Thread(target=self._loop, name="polyparallel-trace", daemon=True)
         self._thread.start()
 
@@ -68,15 +75,16 @@ class SideChannel:
                 self._dead = True
                 return
 
-    def publish(self, generation: int, exited: bool = False, stack: bool = True) -> None:
-        """Write this rank's state (latest entries, stack) for request ``generation``."""
+    def publish(self, generation: int, exited: bool = False, stack: bool = True, fresh: bool = False) -> None:
+        """Write this rank's state (latest entries, stack) for request ``generation`` (``fresh``:
+        the channel's first state, answering no request)."""
         with self._lock:
             self._seen = max(self._seen, generation)
             state = {"rank": self.rank, "gen": generation, "time": time.time(), "exited": exited,
                      "entries": self.recorder.last(8),
                      "stack": _stack_of(self.recorder.thread) if stack and not exited else None}
             self.store.set(f"state/{self.rank}", json.dumps(state))
-        if generation and not exited:  # a peer timed out: this rank may be killed next, so write now
+        if generation and not exited and not fresh:  # a peer timed out: this rank may be killed next, so write now
             self.recorder.dump("a peer's collective timed out")
 
     def collect(self, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any] | None]:

@@ -141,11 +141,24 @@ def test_importing_polyparallel_writes_no_cache(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_factory_importing_from_the_current_directory_when_called_still_works(tmp_path, monkeypatch):
+    (tmp_path / "lazy_models.py").write_text("def net():\n    from lazy_layers import width\n    return width\n")
+    (tmp_path / "lazy_layers.py").write_text("width = 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    factory = resolve_factory("lazy_models:net")
+    assert sys.path == before
+    assert factory() == 7 and sys.path == before
+
+
 def test_resolve_factory_names_what_is_wrong(tmp_path, monkeypatch):
     (tmp_path / "my_models.py").write_text("def net():\n    return 'net'\nvalue = 3\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
     assert resolve_factory("my_models:net")() == "net"  # found from the current directory, as python -m does
+    assert sys.path == before  # the current directory was on it for the import only
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         resolve_factory("my_models")
     with pytest.raises(ValueError, match="cannot import 'nowhere_models'"):

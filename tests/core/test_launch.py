@@ -186,3 +186,27 @@ def test_a_failing_rank_is_reported_as_launch_error(manager):
         pp.launch(square_plus, Strategy(plugin_manager=manager), 2)
     assert info.value.rank == 1
     assert info.value.__notes__ == ["raised by plugin 'failing' in polyparallel_launch"]
+
+
+def test_a_trace_dir_is_refused_for_a_runtime_that_records_nothing(manager, launcher, tmp_path):
+    # JAX and XLA record no collectives: trace_dir= would be silently ignored; refused before any process.
+    s = Strategy(plugin_manager=manager)
+    with pytest.raises(TypeError, match=r"the 'serial' runtime does not record its collectives \(its capabilities "
+                                        r"lack the 'collective_trace' feature\)"):
+        pp.launch(square_plus, s, nprocs=2, args=[3], trace_dir=tmp_path / "trace")
+    assert launcher.calls == [] and not (tmp_path / "trace").exists()
+
+
+def test_a_trace_dir_reaches_a_runtime_that_records(manager, tmp_path):
+    class Recording:
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return pp.Capabilities("recording", axes={"data"}, features={"collective_trace"})
+
+        @pp.hookimpl
+        def polyparallel_launch(self, runtime, nprocs, trace_dir):
+            return [trace_dir] * nprocs if runtime == "recording" else None
+
+    manager.register(Recording(), name="recording")
+    s = Strategy(plugin_manager=manager)
+    assert pp.launch(square_plus, s, nprocs=2, args=[3], trace_dir=tmp_path) == [str(tmp_path)] * 2

@@ -228,3 +228,38 @@ def test_metadata_is_json_the_cli_can_show(saved):
     assert arrays["module/params/l1/kernel"] == ([12, 16], "float32")
     assert arrays["optimizer/0/mu/l1/kernel"] == ([12, 16], "float32")
     assert arrays["module/batch_stats/bn/mean"] == ([16], "float32")
+
+
+def _commit_fails_on_process_0(directory: str) -> str:
+    """Both processes save one replicated array; process 0's marker write fails (a full disk)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from polyparallel_jax import checkpoint
+
+    if jax.process_index() == 0:
+        def full(staging, metadata):
+            raise OSError(28, "No space left on device")
+
+        core.write_marker = full  # this process only: the commit of process 0 fails
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    array = jax.device_put(np.arange(4.0), NamedSharding(mesh, PartitionSpec()))
+    try:
+        checkpoint.write(os.path.join(directory, "step-1"), {"w": array}, {"epoch": 0})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "saved"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_commit_failing_on_process_0_fails_every_process_without_waiting(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from polyparallel_jax.launch import launch_processes
+
+    tests = str(Path(__file__).parents[1])  # the processes import this module as jax_plugin.test_checkpoint
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120)
+    assert first.startswith("OSError") and "No space left" in first, first
+    assert second.startswith("CheckpointError") and "failed on process 0" in second, second
+    assert not os.path.exists(tmp_path / "step-1")

@@ -40,3 +40,10 @@ def test_a_process_printing_megabytes_is_not_blocked(monkeypatch):
     tests = str(Path(__file__).parents[1])  # the processes import _chatty as jax_plugin.test_launch
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
     assert launch_processes(_chatty, 2, args=(2,), timeout=90) == [2, 2]
+
+
+def test_a_trace_dir_is_refused_before_any_process(jax_strategy, tmp_path):
+    # The JAX runtime records no collectives: trace_dir= would be silently ignored.
+    with pytest.raises(TypeError, match=r"the 'jax' runtime does not record its collectives"):
+        pp.launch(pp.Topology, jax_strategy(data=2), 2, trace_dir=tmp_path / "trace")
+    assert not (tmp_path / "trace").exists()

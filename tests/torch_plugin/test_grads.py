@@ -398,3 +398,35 @@ def test_another_layout_on_one_rank_is_refused_before_any_payload(run):
             assert got["error"] is not None and "sync_grads #" in got["error"], (rank, label, got)
             assert "layout" in got["error"], (rank, label, got)
             assert got["same objects"] and got["same values"], (rank, label, got)
+
+
+# -- a rank that cannot pack its gradients while the check travels: every rank fails, nothing hangs -------
+def _unpackable_worker(strategy: pp.Strategy) -> dict:
+    model = UsedNet()
+    model(torch.randn(4, 6), True).sum().backward()
+    if strategy.rank == 1:
+        model.head.weight.grad.data = torch.zeros(2, 4)  # not the parameter's shape: packing it fails
+    out: dict = {}
+    try:
+        strategy.sync_grads(model)  # every gradient present: the path that packs while the check travels
+        out["sync"] = None
+    except Exception as exc:
+        out["sync"] = f"{type(exc).__name__}: {exc}"
+    try:  # the check's all-reduce must not pair with a later collective: the runtime refuses them
+        strategy.reduce_metrics({"loss": 1.0})
+        out["next"] = None
+    except Exception as exc:
+        out["next"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_cannot_pack_its_gradients_fails_every_rank(run):
+    strategy = pp.Strategy(data=2, timeout=20)
+    bad, good = run(_unpackable_worker, strategy, 2, strategy, timeout=150)[::-1]
+    assert bad["sync"] is not None and bad["sync"].startswith("CollectiveError"), bad
+    assert "could not pack" in bad["sync"] and "size of tensor" in bad["sync"], bad  # the packing's own error
+    assert good["sync"] is not None and good["sync"].startswith("CollectiveTimeout"), good
+    assert "sync_grads" in good["sync"] and "rank 1" in good["sync"], good
+    for r in (bad, good):
+        assert r["next"] is not None and r["next"].startswith("CollectiveError") and "broken" in r["next"], r

@@ -369,3 +369,27 @@ def test_cli_launch_reports_a_failing_script(tmp_path):
     script.write_text("raise SystemExit(3)\n")
     proc = subprocess.run(_cli("--nproc-per-node", "2", str(script)), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
+
+
+def test_a_launched_script_has_its_folder_first_on_sys_path_and_not_the_working_directory(tmp_path):
+    # `polyparallel launch` runs each worker through polyparallel_torch.script; sys.path must be what
+    # `python SCRIPT` gives: the script's folder first and the working directory absent, so that a
+    # json.py there shadows nothing (a plain `python -m` wrapper put it first).
+    work, code = tmp_path / "work", tmp_path / "code"
+    work.mkdir()
+    code.mkdir()
+    (work / "json.py").write_text("raise ImportError('the working directory shadowed json')\n")
+    (code / "train.py").write_text(
+        "import json, os, sys\n"
+        "print('PATHS ' + json.dumps([sys.path[0], os.getcwd() in sys.path, os.path.realpath(json.__file__)]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = ["timeout", "-k", "10", "150", sys.executable, "-P", "-m", "polyparallel.cli", "launch",
+                "--nproc-per-node", "1", str(code / "train.py")]  # -P: the launcher's own imports stay safe
+    outputs = []
+    for command in ([sys.executable, str(code / "train.py")], launcher):
+        done = subprocess.run(command, cwd=work, capture_output=True, text=True, env=env, timeout=180)
+        assert done.returncode == 0, (command, done.stdout + done.stderr)
+        outputs.append(json.loads(re.findall(r"PATHS (\[.*\])", done.stdout)[-1]))
+    plain, launched = outputs
+    assert launched == plain, outputs
+    assert launched[0] == str(code) and launched[1] is False and not launched[2].startswith(str(work)), outputs

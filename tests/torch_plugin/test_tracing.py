@@ -110,6 +110,59 @@ def test_every_runtime_collective_is_recorded_with_its_sequence_number(run):
         assert all(state == "done" for *_, state in entries), entries
 
 
+def _second_runtime_hang(strategy):
+    first = strategy.replace(timeout=30)
+    first.reduce_metrics({"loss": 1.0})
+    first.session().close()
+    strategy.session().close()  # the last runtime using the side channel closes: state "exited"
+    second = strategy.replace(timeout=7)  # another runtime, a new channel in the same processes
+    second.reduce_metrics({"loss": 1.0})
+    if strategy.rank == 0:
+        second.reduce_metrics({"loss": 2.0})  # only rank 0
+    else:
+        time.sleep(second.timeout + 8)  # rank 1 computes instead, alive
+    return strategy.rank
+
+
+@pytest.mark.timeout(120)
+def test_a_later_runtime_reports_a_live_rank_as_live_not_as_the_earlier_runtime_exited():
+    strategy = pp.Strategy(data=2, timeout=6)
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_second_runtime_hang, strategy, 2, args=(strategy,), timeout=90)
+    first_line = str(info.value).splitlines()[0]
+    assert "rank 0 of 2 failed: CollectiveTimeout: reduce_metrics #" in first_line, info.value
+    assert "has exited" not in first_line and "rank 1 has not entered any collective since" in first_line, \
+        info.value
+    assert "rank 1's stack" in str(info.value), info.value
+
+
+def test_a_new_channel_ignores_earlier_requests_and_replaces_an_earlier_exited_state(tmp_path):
+    import json
+
+    import torch.distributed as dist
+
+    from polyparallel_torch.tracing import SideChannel
+
+    store = dist.HashStore()  # what an earlier channel of this process left under the same prefix
+    store.add("request", 3)
+    store.set("state/1", json.dumps({"rank": 1, "gen": 3, "exited": True, "entries": []}))
+    recorder = _trace.Recorder()
+    recorder.trace_dir = str(tmp_path)
+    channel = SideChannel(store, 1, recorder, poll_s=0.02)
+    try:
+        time.sleep(0.2)  # several polls: request 3 is not for this channel
+        state = json.loads(store.get("state/1"))
+        assert state["exited"] is False and state["gen"] == 3, state
+        assert list(tmp_path.iterdir()) == [], "no trace written for an earlier runtime's request"
+        store.add("request", 1)  # a new request is answered
+        deadline = time.monotonic() + 5
+        while json.loads(store.get("state/1"))["gen"] != 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert json.loads(store.get("state/1"))["gen"] == 4
+    finally:
+        channel.close()
+
+
 HANG_SCRIPT = """
 import time
 import polyparallel as pp
