@@ -530,8 +530,11 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
         # -P: the interpreter does not put the working directory first on sys.path (`-m` would,
         # and `python SCRIPT` does not); the wrapper puts the script's folder there instead.
         # torchrun's own `-m` cannot take interpreter flags: it runs the command as given instead
-        # (with -u, as it would).
-        argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", "-P", "-m", "polyparallel_torch.script"]
+        # (with -u, as it would). -P exists from Python 3.11; on 3.10 the wrapper replaces
+        # sys.path[0] itself, after its own few imports.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", *safe_path,
+                 "-m", "polyparallel_torch.script"]
     trace_dir = options.get("trace_dir")
     saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
     if trace_dir:  # the agent hands this process's environment to the workers

@@ -51,7 +51,7 @@ def _script_path_first(folder: str) -> None:
     working directory (a plain ``-m`` does, before any import of this module could undo it)."""
     if os.environ.get("PYTHONSAFEPATH"):
         return  # the user asked for a safe path: `python SCRIPT` would add nothing either
-    if __name__ == "__main__" and not sys.flags.safe_path and sys.path:
+    if __name__ == "__main__" and not getattr(sys.flags, "safe_path", False) and sys.path:  # 3.11+
         sys.path[0] = folder  # a plain `python -m`: replace the working directory it put first
     else:
         sys.path.insert(0, folder)
