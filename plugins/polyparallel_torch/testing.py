@@ -21,13 +21,16 @@ from .sharding import make_optimizer, sharded_over_data
 
 __all__ = [
     "TorchDriver",
+    "failure_text",
     "fill_states",
     "flat_params",
     "ghost_batch_reference",
     "local_states",
+    "momentum_buffers",
     "reference_dataset",
     "reference_model",
     "reference_plan",
+    "source_line",
     "stage_params",
 ]
 
@@ -54,6 +57,37 @@ def reference_plan() -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def momentum_buffers(optimizer: torch.optim.Optimizer) -> dict[str, list[float]]:
+    """Momentum buffers of an SGD optimizer by parameter position, gathered to full tensors
+    (a checkpoint's optimizer state compared across topologies)."""
+    out = {}
+    for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
+        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+        if buffer is not None:
+            buffer = buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer
+            out[str(i)] = buffer.reshape(-1).double().tolist()
+    return out
+
+
+def source_line(fn: Any, text: str) -> int:
+    """The line number of the first line of ``fn``'s source containing ``text`` (what a trace or
+    desync report names as the caller's location)."""
+    import inspect
+
+    lines, start = inspect.getsourcelines(fn)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+def failure_text(fn: Any) -> str | None:
+    """``"ExceptionType: message"`` of what ``fn()`` raises, or ``None``: a worker returns it so that
+    every rank's outcome comes back to the test."""
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def flat_params(model: nn.Module) -> dict[str, list[float]]:

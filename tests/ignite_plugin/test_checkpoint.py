@@ -17,21 +17,11 @@ import torch
 from torch import nn
 
 import polyparallel as pp
+from polyparallel_torch.testing import momentum_buffers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 SAMPLES, GLOBAL_BATCH, STOP, MOMENTUM = 40, 8, 7, 0.9
-
-
-def full_momentum(optimizer) -> dict[str, list[float]]:
-    """Momentum buffers of an SGD optimizer by parameter position, gathered to full tensors."""
-    out = {}
-    for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-        if buffer is not None:
-            buffer = buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer
-            out[str(i)] = buffer.reshape(-1).double().tolist()
-    return out
 
 
 def _job(ignite):
@@ -110,14 +100,14 @@ def _round_trip_worker(directory):
     trainer = make_trainer(hybrid, max_steps=3, limit_val_batches=0)
     trainer.fit(lightning_module, DataLoader(reference_dataset(SAMPLES), batch_size=1, shuffle=True))
     trainer.save_checkpoint(os.path.join(directory, "lightning"))
-    saved = {"params": flat_params(lightning_module), "momentum": full_momentum(trainer.optimizers[0])}
+    saved = {"params": flat_params(lightning_module), "momentum": momentum_buffers(trainer.optimizers[0])}
 
     # Ignite at data=4 on the same model: the LightningModule is an nn.Module (forward = its net).
     ignite = pp.Strategy(data=4, seed=0, timeout=60).adapt("ignite")
     model = ignite.auto_model(module_cls(1))
     optimizer = ignite.auto_optim(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), model)
     restored = ignite.load_checkpoint(os.path.join(directory, "lightning"), {"model": model, "optimizer": optimizer})
-    in_ignite = {"params": flat_params(model), "momentum": full_momentum(optimizer)}
+    in_ignite = {"params": flat_params(model), "momentum": momentum_buffers(optimizer)}
     handler = ignite.checkpoint({"model": model, "optimizer": optimizer}, os.path.join(directory, "ignite"))
     handler.save_handler(None, "from-lightning")  # what Checkpoint calls (every rank)
     return {"rank": hybrid.rank, "saved": saved, "ignite": in_ignite, "progress": [restored["epoch"], restored["step"]]}
@@ -146,7 +136,7 @@ def test_lightning_to_ignite_to_plain_loop_round_trip(run, tmp_path):
     model = reference_module_class("lightning.pytorch")(2)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     pp.Strategy(data=1).load(str(tmp_path / "ignite" / "from-lightning"), model=model, optimizer=optimizer)
-    _assert_state_equal({"params": flat_params(model), "momentum": full_momentum(optimizer)}, results[0]["saved"],
+    _assert_state_equal({"params": flat_params(model), "momentum": momentum_buffers(optimizer)}, results[0]["saved"],
                         "a plain loop")
 
 

@@ -17,6 +17,7 @@ import os
 import pytest
 
 import polyparallel as pp
+from polyparallel_torch.testing import momentum_buffers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(500)]
 
@@ -31,17 +32,6 @@ def _loader():
 
     # batch_size is replaced by the strategy's global batch (per rank: 8 / data).
     return DataLoader(reference_dataset(SAMPLES), batch_size=1, shuffle=True)
-
-
-def full_momentum(optimizer) -> dict[str, list[float]]:
-    """Momentum buffers of an SGD optimizer by parameter position, gathered to full tensors."""
-    out = {}
-    for i, param in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-        if buffer is not None:
-            buffer = buffer.full_tensor() if hasattr(buffer, "full_tensor") else buffer
-            out[str(i)] = buffer.reshape(-1).double().tolist()
-    return out
 
 
 def _worker(directory, legacy):
@@ -62,7 +52,7 @@ def _worker(directory, legacy):
     trainer = make_trainer(hybrid, NS, max_steps=STOP, enable_checkpointing=True, callbacks=[saver], **quiet)
     trainer.fit(stopped, _loader())
     path = os.path.join(directory, f"epoch=1-step={STOP}.ckpt")
-    stopped_state = {"params": flat_params(stopped.net), "momentum": full_momentum(trainer.optimizers[0])}
+    stopped_state = {"params": flat_params(stopped.net), "momentum": momentum_buffers(trainer.optimizers[0])}
 
     resumed = module_cls(0, momentum=0.9)
     trainer = make_trainer(hybrid, NS, max_epochs=2, **quiet)
@@ -73,7 +63,7 @@ def _worker(directory, legacy):
     from_legacy = module_cls(0, momentum=0.9)
     trainer = make_trainer(hybrid, NS, max_steps=1, **quiet)
     trainer.fit(from_legacy, _loader(), ckpt_path=legacy)
-    legacy_state = {"params": flat_params(from_legacy.net), "momentum": full_momentum(trainer.optimizers[0])}
+    legacy_state = {"params": flat_params(from_legacy.net), "momentum": momentum_buffers(trainer.optimizers[0])}
 
     # Read at another topology: the data=4 Trainer's fit stops at once (max_steps reached) after
     # restoring the model and optimizer.
@@ -83,7 +73,7 @@ def _worker(directory, legacy):
     trainer.fit(resharded, _loader(), ckpt_path=path)
     return {"rank": hybrid.rank, "uninterrupted": flat_params(uninterrupted.net), "resumed": flat_params(resumed.net),
             "resumed_steps": resumed_steps, "stopped": stopped_state, "legacy": legacy_state,
-            "resharded": {"params": flat_params(resharded.net), "momentum": full_momentum(trainer.optimizers[0])},
+            "resharded": {"params": flat_params(resharded.net), "momentum": momentum_buffers(trainer.optimizers[0])},
             "written": sorted(os.listdir(directory))}
 
 
@@ -101,7 +91,7 @@ def _legacy_file(path):
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(reference_dataset(16), batch_size=8))
     trainer.save_checkpoint(path)
-    return {"params": flat_params(module.net), "momentum": full_momentum(trainer.optimizers[0])}
+    return {"params": flat_params(module.net), "momentum": momentum_buffers(trainer.optimizers[0])}
 
 
 def _assert_state_equal(got, want, what):

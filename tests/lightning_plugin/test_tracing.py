@@ -2,30 +2,17 @@
 Lightning ``Trainer``: the collectives the adapter runs for Lightning are recorded, and a rank
 that skips one, or runs another, is named by its peers with its location."""
 
-import inspect
 import os
 import time
 
 import pytest
 
 import polyparallel as pp
+from polyparallel_torch.testing import failure_text, source_line
 
 pytestmark = pytest.mark.multiprocess
 
 NS = "lightning.pytorch"
-
-
-def _line(fn, text):
-    lines, start = inspect.getsourcelines(fn)
-    return start + next(i for i, line in enumerate(lines) if text in line)
-
-
-def _failure(fn):
-    try:
-        fn()
-    except Exception as exc:  # the worker reports it: both ranks' outcomes come back
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def _module_class(strategy, scenario):
@@ -65,7 +52,7 @@ def _worker(strategy):
         trainer = make_trainer(s, NS, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
         started = time.monotonic()
         loader = DataLoader(reference_dataset(24), batch_size=4)
-        out[scenario] = _failure(lambda t=trainer, m=module, d=loader: t.fit(m, d))
+        out[scenario] = failure_text(lambda t=trainer, m=module, d=loader: t.fit(m, d))
         out[f"{scenario}_s"] = time.monotonic() - started
     return out
 
@@ -74,18 +61,18 @@ def _worker(strategy):
 def test_lightning_desync_and_hang_name_the_other_ranks_location(run):
     r0, r1 = run(_worker, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=240)
     here = os.path.basename(__file__)
-    states_at = _line(_module_class, "desync: rank 0 syncs states")
-    grads_at = _line(_module_class, "desync: rank 1 syncs gradients")
+    states_at = source_line(_module_class, "desync: rank 0 syncs states")
+    grads_at = source_line(_module_class, "desync: rank 1 syncs gradients")
     for r in (r0, r1):
         assert r["desync"] and "operations out of step over the 'data' axis" in r["desync"], r
         assert f"called at {here}:{states_at}" in r["desync"] or f"and {here}:{states_at}" in r["desync"], r
         assert f"{here}:{grads_at}" in r["desync"].splitlines()[0], r
         assert r["desync_s"] < 25, r
-    reduce_at = _line(_module_class, "hang: both at batch 0")
+    reduce_at = source_line(_module_class, "hang: both at batch 0")
     hang = r0["hang"]
     assert hang and hang.startswith("CollectiveTimeout: reduce (self.log sync_dist=True)"), r0
     first = hang.splitlines()[0]
     assert "rank 1 has not entered any collective since reduce (self.log sync_dist=True)" in first, hang
     assert f"({here}:{reduce_at}" in first, hang  # where rank 1 last reduced
     assert "rank 0 waits in reduce (self.log sync_dist=True)" in first, hang
-    assert f"line {_line(_module_class, 'hang: rank 1 skips')}, in on_train_batch_end" in hang, hang  # its stack
+    assert f"line {source_line(_module_class, 'hang: rank 1 skips')}, in on_train_batch_end" in hang, hang  # its stack

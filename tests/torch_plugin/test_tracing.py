@@ -11,6 +11,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel import _trace, _trace_report
+from polyparallel_torch.testing import source_line
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,13 +38,6 @@ def _desync(strategy):
     return strategy.rank
 
 
-def _line_of(fn, text):
-    import inspect
-
-    lines, start = inspect.getsourcelines(fn)
-    return start + next(i for i, line in enumerate(lines) if text in line)
-
-
 @pytest.mark.timeout(120)
 def test_a_rank_that_never_joins_is_named_with_its_last_collective_and_stack(tmp_path):
     strategy = pp.Strategy(data=2, timeout=6)
@@ -54,11 +48,11 @@ def test_a_rank_that_never_joins_is_named_with_its_last_collective_and_stack(tmp
     here = os.path.basename(__file__)
     # rank 0's error, on its first line: where rank 1 is, and what rank 0 waits in.
     assert "rank 0 of 2 failed: CollectiveTimeout: reduce_metrics #2" in first_line, text
-    assert (f"rank 1 has not entered any collective since reduce_metrics #1 ({here}:{_line_of(_skip_reduce, '#1')}, "
+    assert (f"rank 1 has not entered any collective since reduce_metrics #1 ({here}:{source_line(_skip_reduce, '#1')}, "
             "done)") in first_line, text
-    assert f"rank 0 waits in reduce_metrics #2 ({here}:{_line_of(_skip_reduce, '#2')})" in first_line, text
+    assert f"rank 0 waits in reduce_metrics #2 ({here}:{source_line(_skip_reduce, '#2')})" in first_line, text
     # rank 1's stack, read through the store while it sleeps: its line, not the launcher's.
-    assert "rank 1's stack" in text and f"line {_line_of(_skip_reduce, SKIP_LINE)}, in _skip_reduce" in text, text
+    assert "rank 1's stack" in text and f"line {source_line(_skip_reduce, SKIP_LINE)}, in _skip_reduce" in text, text
     # every rank's trace was written
     traces = _trace_report.read_dir(str(tmp_path))
     assert sorted(traces) == [0, 1]
@@ -83,7 +77,7 @@ def test_ranks_at_different_operations_fail_at_once_naming_both_locations():
     assert time.monotonic() - started < 25, "detected by the identity check, not by the timeout"
     text = str(info.value)
     here = os.path.basename(__file__)
-    states_at, grads_at = _line_of(_desync, "rank 0: sync_states"), _line_of(_desync, "rank 1: sync_grads")
+    states_at, grads_at = source_line(_desync, "rank 0: sync_states"), source_line(_desync, "rank 1: sync_grads")
     assert "CollectiveError: operations out of step over the 'data' axis" in text, text
     first = text.splitlines()[0]
     assert "sync_grads #2 on rank 1 vs sync_states #2 on rank 0" in first or \
