@@ -360,7 +360,7 @@ def test_inspect_lists_the_tensors_and_shapes_of_a_torch_checkpoint(tmp_path):
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_train.py")
 
 
-@pytest.mark.slow
+# In the default suite (about 20 s on a quiet machine): the fault-tolerance claim is checked by CI.
 @pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 def test_a_killed_rank_restarts_from_the_last_committed_checkpoint(tmp_path):
