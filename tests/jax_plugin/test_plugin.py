@@ -99,7 +99,7 @@ def test_each_launcher_answers_only_for_its_runtime(monkeypatch, torch_first):
         pm.register(module, name=name)
     calls = []
     monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(
-        launch_function=lambda fn, strategy, nprocs, *rest: calls.append(("torch", nprocs)) or ["torch"] * nprocs))
+        launch_function=lambda fn, strategy, nprocs, *rest, **options: calls.append(("torch", nprocs)) or ["torch"] * nprocs))
     monkeypatch.setattr(polyparallel_jax.launch, "launch_processes",
                         lambda fn, nprocs, **kwargs: calls.append(("jax", nprocs)) or ["jax"] * nprocs)
     assert pp.launch(print, pp.Strategy(data=2, runtime="jax", plugin_manager=pm), nprocs=2) == ["jax", "jax"]
