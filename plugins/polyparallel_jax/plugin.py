@@ -204,12 +204,12 @@ def _runtime_if_concrete(strategy: pp.Strategy, session: pp.Session) -> Any:
 # -- checkpoints -------------------------------------------------------------------------------
 
 
-def _checkpoint_objects(state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
-    """(model, optimizer, loader) when this plugin owns them: a ``Model`` (which holds its own
+def _checkpoint_objects(session: pp.Session, state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
+    """(model, optimizer, loader) when this plugin owns them, on the JAX runtime only: a ``Model`` (which holds its own
     optimizer state) or an ``nnx.Module`` (optionally an ``nnx.Optimizer``), a ``ShardedArrays``.
     Other optimizers are refused with a ``CheckpointError`` (the plugin manager passes
     polyparallel errors through unwrapped)."""
-    if "flax" not in sys.modules:
+    if session.runtime != RUNTIME or "flax" not in sys.modules:
         return None
     from flax import nnx
 
@@ -236,9 +236,7 @@ def _checkpoint_objects(state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
 def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
     """A JAX model (``Model``, or ``nnx.Module`` + ``nnx.Optimizer``) and loader -> an
     orbax-checkpoint directory under the core's commit marker; only on the JAX runtime."""
-    if session.runtime != RUNTIME:
-        return None
-    objects = _checkpoint_objects(state)
+    objects = _checkpoint_objects(session, state)
     if objects is None:
         return None
     from . import saving
@@ -258,9 +256,7 @@ def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, pat
                                  state: dict[str, Any]) -> dict[str, Any] | None:
     """Restore a JAX checkpoint into ``state``'s objects, resharded to this strategy's mesh;
     only on the JAX runtime."""
-    if session.runtime != RUNTIME:
-        return None
-    objects = _checkpoint_objects(state)
+    objects = _checkpoint_objects(session, state)
     if objects is None:
         return None
     from . import saving
