@@ -35,11 +35,9 @@ from typing import Any
 
 import polyparallel as pp
 
-__all__ = ["PIPELINE_ZERO_REASON", "build_config", "check_strategy"]
+from .capabilities import CAPABILITIES, PIPELINE_ZERO_REASON
 
-#: DeepSpeed's own reason (``PipelineEngine.__init__`` asserts it): the pipeline engine schedules
-#: the gradient all-reduce itself, which ZeRO 2/3's partitioned gradients cannot take part in.
-PIPELINE_ZERO_REASON = "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+__all__ = ["PIPELINE_ZERO_REASON", "build_config", "check_strategy"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -48,8 +46,6 @@ def check_strategy(strategy: pp.Strategy) -> None:
     """Refuse what DeepSpeed cannot run, before anything starts: the adapter's declared
     capabilities (axes, ZeRO stages, no ZeRO 2/3 with a pipeline, with DeepSpeed's reason),
     which ``pp.launch(runtime="deepspeed")`` and ``adapt`` check as well."""
-    from .plugin import CAPABILITIES
-
     CAPABILITIES.check(strategy.topology, strategy.shard_policy.stage)
 
 

@@ -13,19 +13,9 @@ from typing import Any
 import polyparallel as pp
 from polyparallel import hookimpl
 
-from .config import PIPELINE_ZERO_REASON
+from .capabilities import CAPABILITIES
 
 __all__ = ["CAPABILITIES", "is_engine"]
-
-#: Data parallelism (ZeRO 0-3 over the data axis) and DeepSpeed's pipeline engine (with data);
-#: on the torch runtime, whose process groups DeepSpeed uses. Pipeline with ZeRO 2/3 is refused
-#: before launch (``stages_with``, which ``config.check_strategy`` also applies), with DeepSpeed's reason.
-CAPABILITIES = pp.Capabilities(
-    "deepspeed", axes={"data", "pipeline"}, stages={0, 1, 2, 3}, runtimes={"torch"},
-    stages_with={"pipeline": ({0, 1}, f"DeepSpeed says {PIPELINE_ZERO_REASON!r} (its pipeline engine reduces gradients "
-                                      "itself)")},
-    features={"zero", "pipeline_module", "mpu_from_topology", "metrics_over_data_group", "timeouts"},
-)
 
 
 def is_engine(obj: Any) -> bool:

@@ -50,7 +50,7 @@ def adapt(strategy: pp.Strategy, namespace: str | None = None, **kwargs: Any) ->
     from .namespaces import resolve_namespace
 
     ns = resolve_namespace(namespace)  # before importing torch or Lightning: a missing one fails fast
-    from .strategy import make_strategy
+    from .factory import make_strategy
 
     return make_strategy(strategy, ns, **kwargs)
 

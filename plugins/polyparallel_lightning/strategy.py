@@ -82,9 +82,9 @@ import polyparallel as pp
 
 from .checkpoint import CheckpointMixin
 from .environment import environment_class, launched_externally
-from .namespaces import NAMESPACES, Namespace
+from .namespaces import NAMESPACES
 
-__all__ = ["StrategyMixin", "make_strategy", "strategy_class"]
+__all__ = ["StrategyMixin"]
 
 #: Lightning's warning that an injected ``DistributedSampler`` repeats evaluation samples.
 _SAMPLER_WARNING = "Using `DistributedSampler` with the dataloaders"
@@ -439,29 +439,3 @@ def _op_name(reduce_op: Any) -> str:
         raise ValueError(f"reduce(): unsupported reduce_op {reduce_op!r}; expected 'mean', 'sum', 'max', 'min' "
                          "or the matching torch.distributed.ReduceOp.")
     return name
-
-
-def strategy_class(namespace: str, stage: int = 0) -> type:
-    """The Lightning strategy class of the adapter for a Lightning ``namespace`` (``"lightning.pytorch"``
-    or ``"pytorch_lightning"``) and a sharding ``stage``: :mod:`.ddp`'s for stage 0, :mod:`.sharded`'s
-    for stages 1-3 (built on first use and cached)."""
-    if stage == 0:
-        from .ddp import ddp_strategy_class
-
-        return ddp_strategy_class(namespace)
-    from .sharded import sharded_strategy_class
-
-    return sharded_strategy_class(namespace)
-
-
-def make_strategy(strategy: pp.Strategy, namespace: Namespace, plan: Any = None, **kwargs: Any) -> Any:
-    """The ``lightning`` adapter: ``strategy.adapt("lightning", namespace=None, plan=None, **kwargs)``.
-
-    :param namespace: which Lightning's Trainer will receive it, already resolved by
-        :func:`~polyparallel_lightning.namespaces.resolve_namespace` (see it for the automatic rule).
-    :param plan: the tensor-parallel plan (see :class:`StrategyMixin`).
-    :param kwargs: passed to the Lightning base class: ``DDPStrategy`` at stage 0 (``start_method=``,
-        ``find_unused_parameters=``...); at stages 1-3 only ``save_distributed_checkpoint=True``.
-    """
-    cls = strategy_class(namespace.pytorch, strategy.shard_policy.stage)
-    return cls(strategy, namespace=namespace.pytorch, plan=plan, **kwargs)

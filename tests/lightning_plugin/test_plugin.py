@@ -188,8 +188,8 @@ def test_stages_are_the_torch_runtimes_and_an_undeclared_one_is_refused_before_a
 def test_stage_picks_the_lightning_base_class_and_each_trainer_accepts_it(namespace, monkeypatch):
     import importlib
 
+    from polyparallel_lightning.factory import make_strategy, strategy_class
     from polyparallel_lightning.namespaces import NAMESPACES
-    from polyparallel_lightning.strategy import make_strategy, strategy_class
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
@@ -219,8 +219,8 @@ def test_stage_picks_the_lightning_base_class_and_each_trainer_accepts_it(namesp
 def test_sharded_topology_that_does_not_fit_the_trainer_is_refused_at_construction(monkeypatch):
     import lightning.pytorch as L
 
+    from polyparallel_lightning.factory import make_strategy
     from polyparallel_lightning.namespaces import NAMESPACES
-    from polyparallel_lightning.strategy import make_strategy
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(key, raising=False)
