@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ._advisor import OPTIMIZER_STATES, Advisor, Candidate, ModelProfile, advise, load_links, save_links
-from ._errors import PolyparallelError
+from ._errors import PolyparallelError, exception_summary
 from ._manager import PluginManager
 from ._topology import Topology
 
@@ -101,7 +101,7 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
                 (result,) = advisor.measure(model, batch, seq_len, [(candidate.topology, candidate.stage)], steps,
                                             optimizer, timeout)
             except Exception as exc:  # one failing run must not hide the others' figures
-                result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                result = {"error": exception_summary(exc)}
             measured.append({"candidate": candidate.to_dict(), **result})
     if as_json:
         click.echo(json.dumps({"model": [p.summary() for p, _ in profiles], "world": world, "batch": batch,

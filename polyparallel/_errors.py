@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveTimeout",
     "LaunchError",
     "CheckpointError",
+    "exception_summary",
 ]
 
 
@@ -38,7 +39,7 @@ class PluginError(PolyparallelError):
 
     def __init__(self, plugin: str, hook: str, error: BaseException):
         self.plugin, self.hook, self.error = plugin, hook, error
-        super().__init__(f"plugin {plugin!r} failed in {hook}: {type(error).__name__}: {error}")
+        super().__init__(f"plugin {plugin!r} failed in {hook}: {exception_summary(error, first_line=False)}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross process boundaries (launch); the default would call __init__(message).
@@ -78,3 +79,13 @@ class CheckpointError(PolyparallelError, ValueError):
 
 def _rebuild(cls: type, args: tuple, kwargs: dict) -> BaseException:
     return cls(*args, **kwargs)
+
+
+def exception_summary(exc: BaseException, *, first_line: bool = True) -> str:
+    """``"ValueError: the first line of its message"`` (the whole message with ``first_line=False``;
+    the type alone when the message is empty): how an error is named in one line of a report,
+    a trace entry or a table cell."""
+    text = str(exc).strip()
+    if first_line:
+        text = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _routing, _trace
-from ._errors import NoPluginError, TopologyError
+from ._errors import NoPluginError, TopologyError, exception_summary
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
@@ -113,7 +113,7 @@ def launch(
         pickle.dumps((fn, args, kwargs))
     except Exception as exc:
         raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: "
-                        f"{type(exc).__name__}: {exc}. Define fn at module level (not a lambda or a nested "
+                        f"{exception_summary(exc, first_line=False)}. Define fn at module level (not a lambda or a nested "
                         "function) and pass picklable arguments.") from exc
     results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, runtime=chosen, nprocs=nprocs,
                       args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)

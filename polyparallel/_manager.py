@@ -20,7 +20,7 @@ import pluggy
 
 from . import _routing, hookspecs
 from ._capabilities import Capabilities
-from ._errors import NoPluginError, PluginError, PolyparallelError
+from ._errors import NoPluginError, PluginError, PolyparallelError, exception_summary
 from ._session import ProcessInfo, Session, current_session_scope, process_info_from_env
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class PluginManager:
                 plugin = ep.load()
                 self.register(plugin, name=ep.name, dist=dist_name, version=dist.version)
             except Exception as exc:  # a broken third-party plugin must not break the rest
-                broken = BrokenPlugin(ep.name, ep.value, dist_name, dist.version, f"{type(exc).__name__}: {exc}")
+                broken = BrokenPlugin(ep.name, ep.value, dist_name, dist.version, exception_summary(exc, first_line=False))
                 self._broken[ep.name] = broken
                 warnings.warn(f"polyparallel: skipping plugin {ep.name!r} ({ep.value}) from {dist_name}: "
                               f"{broken.error}", RuntimeWarning, stacklevel=2)
@@ -177,9 +177,9 @@ class PluginManager:
             try:
                 self.register(importlib.import_module(name), name=name)
             except Exception as exc:
-                self._broken[name] = BrokenPlugin(name, name, None, None, f"{type(exc).__name__}: {exc}")
+                self._broken[name] = BrokenPlugin(name, name, None, None, exception_summary(exc, first_line=False))
                 warnings.warn(f"polyparallel: {PLUGINS_ENV} names {name!r}, which is neither an entry point "
-                              f"nor an importable plugin module: {type(exc).__name__}: {exc}",
+                              f"nor an importable plugin module: {exception_summary(exc, first_line=False)}",
                               RuntimeWarning, stacklevel=2)
 
     def register(

@@ -13,7 +13,7 @@ from . import hookspecs
 from ._advisor import OPTIMIZER_STATES
 from ._advisor_cli import bench_comm as _bench_comm
 from ._advisor_cli import plan_model
-from ._errors import PolyparallelError
+from ._errors import PolyparallelError, exception_summary
 from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
@@ -280,7 +280,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
             row = dict(run(strategy, nprocs))
         except Exception as exc:  # one framework failing must not hide the others' results
             failed = True
-            row = {"framework": name, "topology": repr(strategy.topology.resolve(nprocs)), "error": f"{type(exc).__name__}: {exc}"}
+            row = {"framework": name, "topology": repr(strategy.topology.resolve(nprocs)), "error": exception_summary(exc, first_line=False)}
         rows.append(row)
     if as_json:
         click.echo(json.dumps(rows, indent=2))

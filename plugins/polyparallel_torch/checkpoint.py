@@ -44,6 +44,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel import _checkpoints
+from polyparallel._errors import exception_summary
 
 from .checkpoint_files import _safe_reader, read_dcp_metadata, read_rank_files, restore_rng, write_rank_file
 from .runtime import get_runtime
@@ -218,7 +219,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
             _checkpoints.publish(staging, path)
             outcome = "published"
         except Exception as exc:  # any error is told to the peers below, which else wait for the timeout
-            outcome = f"failed on rank 0: {type(exc).__name__}: {exc}"
+            outcome = f"failed on rank 0: {exception_summary(exc, first_line=False)}"
     if session.world_size > 1:
         # Every rank returns once the checkpoint is published (or learns that it was not).
         rt.check("save_checkpoint (publish)", "world", "published" if session.rank else outcome)

@@ -74,6 +74,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel import _trace
+from polyparallel._errors import exception_summary
 
 from .model import is_ddp
 from .runtime import TorchRuntime
@@ -322,7 +323,7 @@ def _packing_failed(rt: TorchRuntime, pending: Any, exc: Exception) -> pp.Collec
     runtime broken, so that every later collective here is refused; the peers' all-reduces end at
     the strategy's timeout with a hang report naming this rank's failed ``sync_grads``. Returns
     the error to raise."""
-    reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    reason = exception_summary(exc)
     if callable(pending):
         with contextlib.suppress(Exception):  # the packing error is the one to raise
             _, entry = pending()

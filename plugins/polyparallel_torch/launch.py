@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import polyparallel as pp
+from polyparallel._errors import exception_summary
 
 __all__ = ["launch_function", "launch_script", "free_port", "remove_stale_launch_dirs", "GRACE_S"]
 
@@ -159,7 +160,7 @@ def _run(rank: int, fn: Callable[..., Any], strategy: pp.Strategy, outdir: str, 
     except BaseException as exc:
         # Saved before any teardown: a peer that dies of our exit must not be reported instead of us.
         _save_error(outdir, rank, exc)
-        return f"rank {rank} failed: {type(exc).__name__}: {exc}"
+        return f"rank {rank} failed: {exception_summary(exc, first_line=False)}"
 
 
 def _wait_for_peers(outdir: str, nprocs: int, timeout: float) -> str | None:
@@ -222,16 +223,11 @@ def _save_error(outdir: str, rank: int, exc: BaseException) -> None:
     record = {
         "rank": rank, "monotonic": time.monotonic(), "time": time.time(),
         "collective": _is_collective_failure(exc),
-        "summary": _summary(exc),
+        "summary": exception_summary(exc),
         "traceback": "".join(traceback.format_exception(exc)),
     }
     with contextlib.suppress(OSError):  # the directory may be gone if the launcher was killed
         _save(outdir, f"{rank}.err.json", json.dumps(record).encode())
-
-
-def _summary(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 # Text of the errors gloo/nccl raise when a peer has gone (they arrive as RuntimeError or DistError).
@@ -555,7 +551,7 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
             hint = (f" (rendezvous at {endpoint}, --nnodes {options.get('nnodes', 1)}). Not every node joined in "
                     f"time (--rdzv-timeout {options.get('rdzv_timeout')} s): start the same command on every node, "
                     "with the same --nnodes and --rdzv-endpoint (a HOST:PORT all nodes reach) and its own --node-rank.")
-        print(f"polyparallel launch: {_summary(exc)}{hint}", file=sys.stderr, flush=True)
+        print(f"polyparallel launch: {exception_summary(exc)}{hint}", file=sys.stderr, flush=True)
         return 1
     finally:
         if fresh_store:

@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 import polyparallel as pp
 from polyparallel import _trace
+from polyparallel._errors import exception_summary
 
 __all__ = ["TorchRuntime", "default_device", "get_runtime", "runtime_key"]
 
@@ -324,7 +325,7 @@ class TorchRuntime:
         try:
             yield
         except BaseException as exc:
-            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _trace.Recorder.finish(entry, exception_summary(exc))
             self._collective_failed(exc, operation, axis, label)
             raise
         _trace.Recorder.finish(entry)
@@ -419,7 +420,7 @@ class TorchRuntime:
             with self.collective(operation, axis, name, record=False):
                 work = dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group, async_op=True)
         except BaseException as exc:
-            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _trace.Recorder.finish(entry, exception_summary(exc))
             raise
         return lambda: self._finish_check(work, buf, group, operation, axis, seq, detail, refusal, entry)
 
@@ -429,7 +430,7 @@ class TorchRuntime:
         try:
             self.wait(work, operation, axis, name, record=False)
         except BaseException as exc:
-            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _trace.Recorder.finish(entry, exception_summary(exc))
             raise
         high, neg_low = buf.tolist()
         if high == -neg_low:
@@ -450,7 +451,7 @@ class TorchRuntime:
             with self.collective(operation, axis, f"{name} (identity check)", record=False):
                 dist.all_gather_object(out, mine, group=group)
         except BaseException as exc:
-            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _trace.Recorder.finish(entry, exception_summary(exc))
             raise
         message = mismatch_message(mine, out, axis, self.group_ranks(axis))
         _trace.Recorder.finish(entry, message.splitlines()[0])
@@ -481,7 +482,7 @@ class TorchRuntime:
         try:
             yield label
         except BaseException as exc:
-            _trace.Recorder.finish(entry, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            _trace.Recorder.finish(entry, exception_summary(exc))
             raise
         finally:
             if previous is None:

@@ -19,12 +19,14 @@ import sys
 import time
 import traceback
 
+from polyparallel._errors import exception_summary
+
 __all__ = ["main", "record_error"]
 
 
 def record_error(exc: BaseException) -> None:
     """Write ``exc`` to ``TORCHELASTIC_ERROR_FILE`` (nothing when torchrun did not set it)."""
-    from .launch import _is_collective_failure, _summary
+    from .launch import _is_collective_failure
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -32,10 +34,10 @@ def record_error(exc: BaseException) -> None:
     text = "".join(traceback.format_exception(exc))
     now = time.time()
     data = {
-        "message": {"message": f"{type(exc).__name__}: {exc}",
+        "message": {"message": exception_summary(exc, first_line=False),
                     "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}},
         "polyparallel": {"rank": int(os.environ.get("RANK", "0")), "time": now,
-                         "collective": _is_collective_failure(exc), "summary": _summary(exc), "traceback": text},
+                         "collective": _is_collective_failure(exc), "summary": exception_summary(exc), "traceback": text},
     }
     try:
         with open(path, "w") as f:
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         record_error(exc)
         rank = os.environ.get("RANK", "?")
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            print(f"[rank {rank}] {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} "
+            print(f"[rank {rank}] {exception_summary(exc)} "
                   "(the launcher reports the first failing rank)", file=sys.stderr, flush=True)
         else:  # not under the launcher: nobody else would show it
             traceback.print_exception(exc)

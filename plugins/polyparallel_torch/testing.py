@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import polyparallel as pp
+from polyparallel._errors import exception_summary
 from polyparallel.testing import ConformanceDriver, reference_data
 
 from .data import TopologySampler
@@ -86,7 +87,7 @@ def failure_text(fn: Any) -> str | None:
     try:
         fn()
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return exception_summary(exc, first_line=False)
     return None
 
 

@@ -31,6 +31,7 @@ import traceback
 from typing import Any
 
 from polyparallel import _trace
+from polyparallel._errors import exception_summary
 from polyparallel._trace_report import describe_group, location
 
 __all__ = ["SideChannel", "start", "release", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
@@ -202,7 +203,7 @@ def hang_report(runtime: Any, axis: str) -> tuple[str, str]:
     try:
         states = channel.collect(runtime.group_ranks(axis), wait_s)
     except Exception as exc:  # the store failed too: say so rather than hide the timeout
-        return "", f"\nNo report of the other ranks: the rendezvous store failed too ({type(exc).__name__}: {exc})."
+        return "", f"\nNo report of the other ranks: the rendezvous store failed too ({exception_summary(exc, first_line=False)})."
     summary, details = describe_group(states, runtime.rank, wait_s)
     return summary, "".join("\n" + line for line in details)
 

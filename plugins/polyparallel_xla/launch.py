@@ -33,6 +33,7 @@ import traceback
 from typing import Any
 
 import polyparallel as pp
+from polyparallel._errors import exception_summary
 
 __all__ = ["launch_function"]
 
@@ -140,7 +141,7 @@ def _collect(directory: str, nprocs: int, code: int, log_path: str) -> list[Any]
 
 def _save_error(directory: str, name: str, rank: Any, exc: BaseException) -> None:
     record = {"rank": rank, "time": time.time(), "collective": isinstance(exc, pp.CollectiveError),
-              "summary": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              "summary": exception_summary(exc),
               "traceback": "".join(traceback.format_exception(exc))}
     with open(os.path.join(directory, f"{name}.err.json"), "w") as f:
         json.dump(record, f)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .._errors import UnsupportedTopologyError
+from .._errors import UnsupportedTopologyError, exception_summary
 from .._launch import launch
 from .._strategy import Strategy
 from .._topology import Topology
@@ -216,7 +216,7 @@ def check_unsupported(driver: ConformanceDriver, strategy: Strategy) -> None:
             pass
         except Exception as exc:
             raise AssertionError(f"launch() of {topology!r} was not refused before starting: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+                                 f"{exception_summary(exc, first_line=False)}") from exc
         else:
             raise AssertionError(f"launch() ran {topology!r}, which the driver declares unsupported")
         elapsed = time.monotonic() - start
