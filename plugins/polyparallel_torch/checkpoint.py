@@ -27,11 +27,16 @@ every stage's model and optimizer keys are gathered over the pipeline group firs
 model's are compared and every stage refuses alike). Saving likewise reads the loader's
 position on every rank before its first collective. Then the runtime's identity check (every rank at the same load of the
 same path) runs before DCP's own collectives over the default group, bounded by the timeout.
+
+A plugin whose objects the torch runtime cannot read (DeepSpeed's engine) converts them itself
+and passes a :class:`StateDicts` as ``model=``: the same files, checks and commit, without
+``get_state_dict`` / ``set_state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 import secrets
@@ -49,7 +54,7 @@ from polyparallel._errors import exception_summary
 from .checkpoint_files import _safe_reader, read_dcp_metadata, read_rank_files, restore_rng, write_rank_file
 from .runtime import get_runtime
 
-__all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]
+__all__ = ["StateDicts", "load", "load_checkpoint", "save", "save_checkpoint"]
 
 _TOKEN = "polyparallel_torch.checkpoint.token"
 
@@ -62,11 +67,36 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+@dataclasses.dataclass
+class StateDicts:
+    """A model (and optimizer) state already converted to this format, given as ``model=`` to
+    :func:`save` / :func:`load` by a plugin whose objects the torch runtime cannot read itself
+    (DeepSpeed's engine: ``polyparallel_deepspeed.checkpoint``). Everything else is the same:
+    files, marker, atomic commit, checks and resharding.
+
+    :param model: a plain module's ``state_dict()`` (parameter and buffer name -> tensor, no
+        wrapper prefix; full tensors or DTensors). For :func:`load`, tensors of the shapes and
+        dtypes to read into (filled in place).
+    :param optim: ``None`` (no optimizer), or the flattened optimizer state dict that
+        ``get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))`` gives:
+        ``state.<name>.<key>`` tensors and ``param_groups.<name>.<hyperparameter>`` values. For
+        :func:`load`, the state to read into (its tensors filled in place, its values replaced).
+    :param pipeline: this rank holds one pipeline stage's keys; the whole model's are gathered
+        over the pipeline group, as for a ``PipelineModel``.
+    """
+
+    model: dict[str, Any]
+    optim: dict[str, Any] | None = None
+    pipeline: bool = False
+
+
 def _module(model: Any) -> nn.Module:
     from .pipeline import PipelineModel
 
     if isinstance(model, PipelineModel):
         return model.stage  # this rank's stage, under the unsplit model's names
+    if isinstance(model, StateDicts):
+        return nn.Module()  # holds nothing: its state comes converted, in StateDicts.model
     if not isinstance(model, nn.Module):
         raise pp.CheckpointError(f"model= must be an nn.Module (the one strategy.wrap_model returned). Received: {model!r}.")
     return model
@@ -84,6 +114,15 @@ def _optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise pp.CheckpointError(f"optimizer= must be a torch.optim.Optimizer or None. Received: {optimizer!r}.")
     return (optimizer,)
+
+
+def _has_optim(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+    """Whether an optimizer's state is saved or loaded: ``optimizer=``'s, or a :class:`StateDicts`' own."""
+    if not isinstance(model, StateDicts):
+        return bool(optimizers)
+    if optimizers:
+        raise pp.CheckpointError("model=StateDicts(...) carries its optimizer's state itself (optim=); pass no optimizer=.")
+    return model.optim is not None
 
 
 def _loader(loader: Any) -> Any:
@@ -110,7 +149,8 @@ def _all_stages(strategy: pp.Strategy, model: Any, entries: dict[str, Any], oper
     every rank). Any other model: ``entries`` as they are (no collective)."""
     from .pipeline import PipelineModel
 
-    if not isinstance(model, PipelineModel) or model.num_stages == 1:
+    staged = model.pipeline if isinstance(model, StateDicts) else isinstance(model, PipelineModel) and model.num_stages > 1
+    if not staged:
         return entries
     merged: dict[str, Any] = {}
     for part in get_runtime(strategy.session()).all_gather_object(entries, f"{operation} (stage keys)", "pipeline"):
@@ -166,6 +206,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.save(optimizer=) needs model= too: the optimizer's state is saved per parameter name.")
+    has_optim = _has_optim(model, optimizers)
     try:
         extras, extra_tensors = _checkpoints.split(state, lambda v: isinstance(v, torch.Tensor), "extras")
     except TypeError as exc:
@@ -174,10 +215,11 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
     values: dict[str, Any] = {}
     model_keys: list[str] = []
     if module is not None:
-        model_state, optim_state = get_state_dict(module, optimizers, options=_options())
+        model_state, optim_state = ((model.model, model.optim or {}) if isinstance(model, StateDicts)
+                                    else get_state_dict(module, optimizers, options=_options()))
         part, values["model"] = _split("model", model_state)
         tensors.update(part)
-        if optimizers:
+        if has_optim:
             part, values["optim"] = _split("optim", optim_state)
             tensors.update(part)
         model_keys = sorted(_all_stages(strategy, model, dict.fromkeys(model_state), "save_checkpoint"))
@@ -194,7 +236,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
     metadata = _checkpoints.base_metadata(strategy, session, framework)
     metadata.update(
         torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
-        contents={"model": module is not None, "optimizer": bool(optimizers), "loader": loader is not None,
+        contents={"model": module is not None, "optimizer": has_optim, "loader": loader is not None,
                   "extras": sorted(state)},
         loader=loader_state, extras=extras,
         progress=None if loader_state is None else {"epoch": loader_state["epoch"], "step": loader_state["batches"],
@@ -206,7 +248,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
     os.makedirs(staging, exist_ok=True)
     write_rank_file(staging, session.rank, values)
     # Rank-independent: a pipeline stage's own keys differ from its peers'.
-    _check_identity(strategy, "save_checkpoint", path, [*model_keys, *sorted(extra_tensors), f"optim={bool(optimizers)}"])
+    _check_identity(strategy, "save_checkpoint", path, [*model_keys, *sorted(extra_tensors), f"optim={has_optim}"])
     rt = get_runtime(session)
     with rt.collective("save_checkpoint (DCP)", "world"), _single(session):
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging), no_dist=session.world_size == 1)
@@ -286,6 +328,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.load(optimizer=) needs model= too: the optimizer's state is keyed by parameter name.")
+    has_optim = _has_optim(model, optimizers)
     meta = _checkpoints.read_marker(path)
     _checkpoints.verify_files(path, meta)
     index = read_dcp_metadata(path).state_dict_metadata
@@ -303,7 +346,8 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
         stored = {k[len("model."):]: (list(v.size) if isinstance(v, TensorStorageMetadata) else None)
                   for k, v in index.items() if k.startswith("model.")}
         stored.update(dict.fromkeys(_merged(files, "model")))
-        model_state, optim_state = _state_for_load(module, optimizers)
+        model_state, optim_state = ((model.model, model.optim or {}) if isinstance(model, StateDicts)
+                                    else _state_for_load(module, optimizers))
         optim_tensors = {f"optim.{k}": v for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
         entries = {f"model.{k}": (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
         entries.update(dict.fromkeys(optim_tensors))
@@ -316,11 +360,11 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
             raise pp.CheckpointError(f"Strategy.load: {path!r} holds another model than {type(module).__name__}: "
                                      f"{problem}. Load it into the model it was saved from (same architecture and "
                                      "sizes; any topology).")
-        if optimizers and not (meta.get("contents") or {}).get("optimizer"):
+        if has_optim and not (meta.get("contents") or {}).get("optimizer"):
             raise pp.CheckpointError(f"Strategy.load: {path!r} holds no optimizer state (it was saved without "
                                      "optimizer=); load the model only, or save with the optimizer.")
         tensors.update({f"model.{k}": v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
-        if optimizers:
+        if has_optim:
             wanted = {k for k in entries if k.startswith("optim.")}
             saved = {k for k, v in index.items() if k.startswith("optim.state.") and isinstance(v, TensorStorageMetadata)}
             absent, left = sorted(wanted - set(index)), sorted(saved - wanted)
@@ -339,7 +383,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
         extra_tensors[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     tensors.update(extra_tensors)
     _check_identity(strategy, "load_checkpoint", path, [*sorted(expected), *sorted(extra_tensors),
-                                                        f"optim={bool(optimizers)}"])
+                                                        f"optim={has_optim}"])
     rt = get_runtime(session)
     if tensors:
         with rt.collective("load_checkpoint (DCP)", "world"), _single(session):
@@ -348,8 +392,9 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, A
         model_state.update(_merged(files, "model"))
         optim_values = _merged(files, "optim")
         optim_state.update({k: optim_values[k] for k in optim_state if k in optim_values})
-        set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=_options())
+        if not isinstance(model, StateDicts):  # a StateDicts' dicts are filled in place: its caller applies them
+            set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=_options())
     if loader is not None:
         loader.load_state_dict(meta["loader"])
     if session.rank in files:  # a rank the writing topology did not have keeps its own RNG
