@@ -65,6 +65,42 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
     return states
 
 
+def _engine_or_refuse(session: pp.Session, model: Any, operation: str) -> bool:
+    """Whether this plugin answers for ``model`` (a DeepSpeed engine, on the torch runtime); a
+    ZeRO-3 ``engine.module`` is refused, its tensors being placeholders without the engine."""
+    if session.runtime != "torch" or "deepspeed" not in sys.modules:
+        return False
+    if is_engine(model):
+        return True
+    from .checkpoint import is_partitioned_module
+
+    if is_partitioned_module(model):
+        raise pp.CheckpointError(f"Strategy.{operation}(model=) got a module whose parameters ZeRO-3 partitioned (the "
+                                 "engine's module): its tensors are placeholders. Pass the engine itself: "
+                                 f"strategy.{operation}(path, model=engine, optimizer=engine.optimizer).")
+    return False
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
+    # A DeepSpeed engine is saved in the torch runtime's format (see polyparallel_deepspeed.checkpoint).
+    if not _engine_or_refuse(session, state.get("model"), "save"):
+        return None
+    from .checkpoint import save
+
+    return save(strategy, path, state)
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
+                                 state: dict[str, Any]) -> dict[str, Any] | None:
+    if not _engine_or_refuse(session, state.get("model"), "load"):
+        return None
+    from .checkpoint import load
+
+    return load(strategy, path, state)
+
+
 @hookimpl
 def polyparallel_register_demos(register: Any) -> None:
     from .demo import run_demo
