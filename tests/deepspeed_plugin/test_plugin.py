@@ -61,3 +61,19 @@ def test_without_deepspeed_adapt_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
     with pytest.raises(pp.NoPluginError, match=r"needs DeepSpeed, which is not installed here: DS_BUILD_OPS=0 pip install"):
         pp.Strategy(data=2, batch_size=8).adapt("deepspeed", model=None)
+
+
+def _never_called() -> None:
+    raise AssertionError("launch started a process")
+
+
+def test_launch_without_runtime_names_the_adapter_that_runs_pipeline_zero1():
+    """pp.launch without runtime= checks the torch runtime, which runs no ZeRO-1 under a pipeline;
+    the DeepSpeed adapter does, so the refusal names it and runtime="deepspeed" (issue 19)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    strategy = pp.Strategy(pipeline=2, data=2, zero=1, batch_size=8)
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'torch' .*cannot run sharding stage zero=1 with pipeline=2.* "
+                                                          r"The installed adapter 'deepspeed' runs it on the 'torch' "
+                                                          r"runtime.*pp.launch\(fn, strategy, runtime='deepspeed'\)"):
+        pp.launch(_never_called, strategy, nprocs=4)
