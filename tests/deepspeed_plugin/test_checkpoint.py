@@ -91,7 +91,8 @@ def _round_trips(strategy, root):
     s.save(f"{root}/zero3-model", model=engine)
     fresh = _engine(s, seed=1)
     s.load(f"{root}/zero3-model", model=fresh)
-    out = {"model only": {"equal": engine_params(engine) == engine_params(fresh)}}
+    model_only = engine_params(engine)
+    out = {"model only": {"equal": model_only == engine_params(fresh)}}
     for stage in (0, 1, 2, 3):
         s = strategy.replace(zero=stage)
         engine, loader = _engine(s), s.shard_data(_dataset(), shuffle=True)
@@ -125,6 +126,16 @@ def _round_trips(strategy, root):
     accumulating.step()  # one micro-step of two
     out["refused"]["accumulating"] = _refused(lambda: strategy.save(f"{root}/r4", model=accumulating))
     strategy.save(f"{root}/model-only", model=engine)
+    # The LR scheduler and the engine's counters come back; an engine without optimizer saves its model.
+    warmup = {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": LR, "warmup_num_steps": 5}}}
+    scheduled = [_engine(strategy.replace(zero=1), seed=seed, **warmup) for seed in (0, 1)]
+    _train(scheduled[0], iter(strategy.shard_data(_dataset(), shuffle=True)), 2)
+    strategy.save(f"{root}/scheduled", model=scheduled[0], optimizer=scheduled[0].optimizer)
+    strategy.load(f"{root}/scheduled", model=scheduled[1], optimizer=scheduled[1].optimizer)
+    out["scheduled"] = [(e.get_lr(), e.lr_scheduler.state_dict(), e.global_steps, e.global_samples) for e in scheduled]
+    bare = strategy.replace(zero=3).adapt("deepspeed", model=_model(seed=5), config={"zero_optimization": ZERO})
+    strategy.load(f"{root}/zero3-model", model=bare)
+    out["bare"] = engine_params(bare) == model_only
     return out
 
 
@@ -170,6 +181,9 @@ def test_round_trips_at_every_zero_stage_and_into_fsdp2_and_a_plain_module(tmp_p
         assert "'deepspeed' holds the engine's counters" in refused["extra name"]
         assert "ZeRO-3 partitioned" in refused["module"] and "ZeRO-3 partitioned" in refused["module load"]
         assert "between gradient-accumulation boundaries (1 micro-steps" in refused["accumulating"]
+        saved, loaded = rank["scheduled"]
+        assert saved == loaded and saved[2] == 2 and saved[1]["last_batch_iteration"] == 1, rank["scheduled"]
+        assert rank["bare"]
     zero3 = results[0][3]["saved"]
     shapes = {k: tuple(v.shape) for k, v in zero3["model"].items()}
     assert shapes == {k: tuple(v.shape) for k, v in _model().state_dict().items()}  # full tensors, not [0]

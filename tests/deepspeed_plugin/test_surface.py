@@ -301,6 +301,7 @@ def _pipeline(strategy):
     return {"params": engine_params(engine), "metrics": metrics, "layers": engine.module.parts}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_pipeline_options_match_a_single_process():
