@@ -17,6 +17,7 @@ from ._errors import PolyparallelError, exception_summary
 from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
+from ._text import table
 from ._topology import AXES, Topology
 from ._trace_cli import trace
 
@@ -91,7 +92,7 @@ def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None
     header = ["rank", *AXES, "roles"]
     rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
             for r in range(topology.world_size)]
-    click.echo(_table(header, rows))
+    click.echo(table(header, rows))
     for axis in AXES:
         groups = topology.groups(axis)
         click.echo(f"\n{axis} groups ({len(groups)} of size {topology.size(axis)}): "
@@ -148,10 +149,10 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
              "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-",
              "; ".join(f"{c['target']}: {','.join(map(str, c['stages']))}" for c in r["capabilities"]) or "-"]
             for r in records if r["error"] is None]
-    click.echo(_table(["plugin", "version", "hooks", "adapters", "axes", "stages"], rows))
+    click.echo(table(["plugin", "version", "hooks", "adapters", "axes", "stages"], rows))
     if runtimes and not hook_name:
         click.echo("")
-        click.echo(_table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [
+        click.echo(table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [
             [name, c.plugin, "yes" if not c.missing_imports() else f"no (needs {', '.join(c.missing_imports())})",
              "yes" if c.imported() else "no", ", ".join(sorted(c.backends)) or "-", str(c.priority)]
             for name, c in sorted(runtimes.items())]))
@@ -287,7 +288,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
     else:
         def fmt(v: Any, spec: str) -> str:
             return format(v, spec) if isinstance(v, (int, float)) else str(v)
-        click.echo(_table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
+        click.echo(table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
             [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
              fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows]))
     if failed:
@@ -330,12 +331,6 @@ def bench_comm(world: int, sizes: str, iters: int, timeout: float, as_json: bool
         raise click.BadParameter(f"expected integers separated by commas. Received: {sizes!r}.",
                                  param_hint="'--sizes'") from None
     _bench_comm(get_plugin_manager(), world, parsed, iters, timeout, as_json)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 cli.add_command(trace)  # polyparallel trace DIR (_trace_cli.py)
