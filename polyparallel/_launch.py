@@ -115,8 +115,8 @@ def launch(
         raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: "
                         f"{exception_summary(exc, first_line=False)}. Define fn at module level (not a lambda or a nested "
                         "function) and pass picklable arguments.") from exc
-    results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, runtime=chosen, nprocs=nprocs,
-                      args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
+    results = pm.call_for_runtime("polyparallel_launch", chosen, fn=fn, strategy=strategy, runtime=chosen,
+                                  nprocs=nprocs, args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
     if results is None:
         caps = pm.runtimes()[chosen]
         raise NoPluginError(

@@ -4,12 +4,14 @@ A *runtime* is what a plugin declares through ``polyparallel_capabilities`` (``t
 its :class:`~polyparallel.Capabilities` say what it needs (``imports``), which communication
 backends it takes (``backends``) and how much it is preferred (``priority``). The choice for a
 strategy (:func:`choose`) is made once per process and strategy value by the plugin manager and
-handed to every hook as ``session.runtime``; runtime hooks answer only for their own runtime.
+handed to every hook as ``session.runtime``; the plugin manager calls a session's hooks only on the
+plugins that serve its runtime (:meth:`~polyparallel.PluginManager.served_runtimes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import numbers
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,7 @@ __all__ = [
     "check_session",
     "choose",
     "data_policy_with",
+    "extras",
     "install_hint",
     "no_runtime_message",
     "nobody_answered",
@@ -41,12 +44,19 @@ __all__ = [
 DEFAULT_EXTRA = "torch"
 
 
+def extras() -> set[str]:
+    """The extras of the installed polyparallel distribution (``torch``, ``lightning``, ...): what
+    ``pip install 'polyparallel[name]'`` can install (empty when polyparallel is not installed)."""
+    try:
+        return set(importlib.metadata.metadata("polyparallel").get_all("Provides-Extra") or ())
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+
+
 def install_hint(name: str, modules: list[str] | tuple[str, ...] = ()) -> str:
     """``pip install 'polyparallel[name]'`` for a runtime or adapter the project ships, else the
     modules it needs."""
-    from ._manager import _extras
-
-    if name in _extras():
+    if name in extras():
         return f"pip install 'polyparallel[{name}]'"
     if modules:
         return f"pip install {' '.join(modules)}"
@@ -261,8 +271,6 @@ def _describe(operation: str, subject: Any) -> tuple[str, str]:
 
 def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Session | None) -> str:
     """The message of the :class:`NoPluginError` raised when no hook answered an operation."""
-    from ._manager import _extras
-
     described, top = _describe(operation, subject)
     runtime = getattr(session, "runtime", None)
     on = f" on the {runtime!r} runtime" if runtime else ""
@@ -276,7 +284,7 @@ def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Se
     named, others = broken_named(pm, top, *([owner] if owner else []))
     if named:
         return sentences(head, named, others)
-    extras = _extras()
+    offered = extras()
     # Plain Python values (numbers for reduce_metrics) are any runtime's: what is missing is a runtime.
     if runtime is None and top == "builtins" and not any(not c.missing_imports() for c in runtimes.values()):
         return sentences(head, no_runtime_message(pm))
@@ -286,6 +294,6 @@ def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Se
                                    f"{install_hint(owner)}.", others)
         return sentences(head, f"{top} objects belong to the {owner!r} runtime, but this strategy runs on "
                                f"{runtime!r}: use Strategy(runtime={owner!r}).", others)
-    hint = (f"To handle {top} objects: pip install 'polyparallel[{top}]'." if top in extras and top != runtime else
-            f"Install a plugin for {top} objects (extras: {', '.join(sorted(extras))}), or write one (CONTRIBUTING.md).")
+    hint = (f"To handle {top} objects: pip install 'polyparallel[{top}]'." if top in offered and top != runtime else
+            f"Install a plugin for {top} objects (extras: {', '.join(sorted(offered))}), or write one (CONTRIBUTING.md).")
     return sentences(head, hint, others)

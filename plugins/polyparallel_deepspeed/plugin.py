@@ -52,7 +52,7 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
 
 @hookimpl(tryfirst=True)
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
-    if session.runtime != "torch" or not is_engine(states):
+    if not is_engine(states):
         return None
     from polyparallel_torch.runtime import get_runtime
     from polyparallel_torch.states import sync

@@ -13,7 +13,9 @@ nothing to check, so that a clause is never passed silently:
 (f) :func:`check_fails_fast` — a rank skipping a collective makes its peers fail within the
     timeout, naming operation, axis and rank;
 (g) :func:`check_unsupported` — a topology the plugin declared it cannot run is refused before
-    any process starts.
+    any process starts;
+(h) :func:`check_routing` — the operations reach the session's own runtime only: another
+    runtime's hooks, written without a ``session.runtime`` guard, are never called.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ._kit import run_skipped_collective, skipping_rank
 if TYPE_CHECKING:
     from ._kit import ConformanceDriver
 
-__all__ = ["NotApplicable", "check_fails_fast", "check_metrics", "check_replicas", "check_shards",
+__all__ = ["NotApplicable", "check_fails_fast", "check_metrics", "check_replicas", "check_routing", "check_shards",
            "check_shuffling", "check_states", "check_training", "check_unsupported", "waiting_ranks"]
 
 Results = list[dict[str, Any]]
@@ -221,6 +223,20 @@ def check_unsupported(driver: ConformanceDriver, strategy: Strategy) -> None:
             raise AssertionError(f"launch() ran {topology!r}, which the driver declares unsupported")
         elapsed = time.monotonic() - start
         assert elapsed < 2.0, f"launch() refused {topology!r} only after {elapsed:.1f} s (processes started?)"
+
+
+# -- (h) routing ---------------------------------------------------------------------------------------
+def check_routing(contract: Results) -> None:
+    """No rank's operations reached the decoy runtime (``_kit._DecoyRuntime``): a guard-less
+    runtime plugin registered next to the tested one, asked first, is never called."""
+    for record in contract:
+        calls = record.get("decoy_calls", {})
+        if calls:
+            raise AssertionError(
+                f"rank {record['rank']}: the core called another runtime's hooks for this runtime's session "
+                f"({', '.join(f'{h} x{n}' for h, n in sorted(calls.items()))}): a runtime plugin that omits the "
+                "session.runtime guard would have answered them. The core must route each operation to the "
+                "session's runtime only (PluginManager.call_for_runtime).")
 
 
 def _close(got: list[float], want: list[float], tol: float, what: str) -> None:

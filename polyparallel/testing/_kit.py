@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._capabilities import Capabilities
 from .._errors import CollectiveError, LaunchError
 from .._launch import launch
 from .._manager import hookimpl
@@ -201,6 +202,66 @@ _counter = _ShardDataCounter()  # per process; registered on the bound strategy'
 _COUNTER = "polyparallel.testing.shard_data_counter"
 
 
+class _DecoyRuntime:
+    """A second runtime in every launched process: declared (never installed, so never chosen),
+    with operation hooks that omit the ``session.runtime`` guard and are asked first
+    (``tryfirst``). The core routes a session's operations to its own runtime's plugin only, so
+    none of them may ever be called; each call is counted (per thread, as ``_ShardDataCounter``)
+    and :func:`polyparallel.testing._checks.check_routing` fails on any. They answer ``None``,
+    so a routing fault shows as a count, not as a crash inside the driver."""
+
+    NAME = "polyparallel-conformance-decoy"
+    HOOKS = ("shard_data", "wrap_model", "sync_grads", "reduce_metrics", "sync_states", "save_checkpoint",
+             "load_checkpoint")
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return dict(getattr(self._local, "calls", {}))
+
+    def _called(self, hook: str) -> None:
+        calls = self._local.__dict__.setdefault("calls", {})
+        calls[hook] = calls.get(hook, 0) + 1
+
+    @hookimpl
+    def polyparallel_capabilities(self) -> Capabilities:
+        return Capabilities(self.NAME, axes={"data", "tensor", "pipeline"}, imports={"polyparallel_conformance_decoy_absent"})
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_shard_data(self) -> None:
+        self._called("shard_data")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_wrap_model(self) -> None:
+        self._called("wrap_model")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_sync_grads(self) -> None:
+        self._called("sync_grads")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_reduce_metrics(self) -> None:
+        self._called("reduce_metrics")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_sync_states(self) -> None:
+        self._called("sync_states")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_save_checkpoint(self) -> None:
+        self._called("save_checkpoint")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_load_checkpoint(self) -> None:
+        self._called("load_checkpoint")
+
+
+_decoy = _DecoyRuntime()
+_DECOY = "polyparallel.testing.decoy_runtime"
+
+
 _register_lock = threading.Lock()  # replica threads of one process register the counter once
 
 
@@ -208,9 +269,15 @@ def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> list[dict
     strategy = driver.bind(strategy)
     manager = strategy.plugin_manager
     with _register_lock:
-        if all(p.name != _COUNTER for p in manager.plugins()):
+        names = {p.name for p in manager.plugins()}
+        if _COUNTER not in names:
             manager.register(_counter, name=_COUNTER)
-    return driver.contract(strategy)
+        if _DECOY not in names:
+            manager.register(_decoy, name=_DECOY)
+    records = driver.contract(strategy)
+    for record in records:
+        record["decoy_calls"] = _decoy.calls
+    return records
 
 
 def _skip_worker(driver: ConformanceDriver, strategy: Strategy, skipper: int) -> dict[str, Any]:

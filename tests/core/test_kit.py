@@ -4,7 +4,8 @@ The subject is a framework-free "records" runtime written here (samples in plain
 linear model in plain Python, collectives through files in a shared directory, bounded by the
 strategy's timeout, processes forked by its own ``polyparallel_launch``). Its correct version
 passes the whole ``ConformanceSuite`` under pipeline=2 x data=2, where every clause applies; each
-deliberately broken version (``FLAWS``) makes exactly its own clause (a)-(g) fail.
+deliberately broken version (``FLAWS``) makes exactly its own clause (a)-(h) fail (for (h), routing,
+the broken part is the plugin manager: it calls every runtime's hooks).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FLAWS = {
     "states": "e",       # sync_states averages every state, whatever the policy says
     "unbounded": "f",    # a collective waits forever for a peer that skipped it
     "accepts": "g",      # the capabilities accept tensor=2, which the driver declares unsupported
+    "unrouted": "h",     # the plugin manager calls every runtime's hooks, not the session's runtime's only
 }
 DIR_ENV = "RECORDS_COLLECTIVE_DIR"
 LR = 0.05
@@ -221,9 +223,16 @@ class RecordsRuntime:
         return out
 
 
+class _UnroutedManager(pp.PluginManager):
+    """A plugin manager with the routing flaw: every plugin's hooks see every session."""
+
+    def call_for_runtime(self, hook_name: str, runtime: str | None, /, **kwargs: Any) -> Any:
+        return self.call(hook_name, **kwargs)
+
+
 def records_manager(flaw: str | None) -> pp.PluginManager:
     """A plugin manager with only the records runtime (broken as ``flaw`` says)."""
-    pm = pp.PluginManager(autoload=False)
+    pm = _UnroutedManager(autoload=False) if flaw == "unrouted" else pp.PluginManager(autoload=False)
     pm.register(RecordsRuntime(flaw), name="records")
     return pm
 
@@ -366,7 +375,7 @@ class TestRecordsPipeline2Data2(kit.ConformanceSuite):  # type: ignore[name-defi
 
 # -- each flaw fails exactly its clause ---------------------------------------------------------------
 def failing_clauses(flaw: str | None) -> set[str]:
-    """Run every clause (a)-(g) on the records runtime broken by ``flaw``; the clauses that fail."""
+    """Run every clause (a)-(h) on the records runtime broken by ``flaw``; the clauses that fail."""
     driver = RecordsDriver(flaw)
     strategy = pp.Strategy(pipeline=2, data=2, timeout=2.0, plugin_manager=records_manager(flaw))
     topology = strategy.topology.resolve(4)
@@ -384,6 +393,7 @@ def failing_clauses(flaw: str | None) -> set[str]:
         "e": lambda: kit.check_states(contract, topology),
         "f": lambda: kit.check_fails_fast(driver, strategy, 4),
         "g": lambda: kit.check_unsupported(driver, strategy),
+        "h": lambda: kit.check_routing(contract),
     }
     failed = set()
     for letter, clause in clauses.items():
@@ -402,7 +412,7 @@ def test_a_broken_runtime_fails_exactly_its_clause(flaw):
 
 
 def test_every_clause_has_a_flaw_that_fails_it():
-    assert set(FLAWS.values()) == set("abcdefg")
+    assert set(FLAWS.values()) == set("abcdefgh")
 
 
 # -- clauses with nothing to check are reported, never passed ------------------------------------------
