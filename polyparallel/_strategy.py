@@ -185,7 +185,12 @@ class Strategy:
         sizes, ``batch_size`` or ``zero``)."""
         values = dict(zip(_FIELDS, self._values()))
         if "batch_size" in changes:
-            values["batch_size"] = changes.pop("batch_size")
+            # Applied to the data policy (the given one, else this strategy's): batch_size=None
+            # must drop the global batch, not read as "not given" by the constructor.
+            policy = changes.pop("data_policy", values["data_policy"])
+            if not isinstance(policy, DataPolicy):
+                raise TopologyError(f"Strategy(data_policy=) must be a DataPolicy. Received: {policy!r}.")
+            values["data_policy"] = dataclasses.replace(policy, batch_size=changes.pop("batch_size"))
         if "zero" in changes:
             if "shard_policy" in changes:
                 raise TopologyError("Strategy.replace() takes zero= or shard_policy=, not both.")
@@ -203,7 +208,13 @@ class Strategy:
         if unknown:
             raise TypeError(f"Strategy.replace() got unknown fields {sorted(unknown)}; expected {_FIELDS}.")
         values.update(changes)
-        return Strategy(**values, plugin_manager=self._pm)
+        replaced = Strategy(**values, plugin_manager=self._pm)
+        # The runtime the launching process chose travels with the copy (a launched process that
+        # builds strategy.replace(seed=1) runs where its parent decided), unless the copy names
+        # its runtime or another backend, which the choice depends on.
+        if replaced.runtime == self.runtime and replaced.backend == self.backend:
+            object.__setattr__(replaced, "_runtime_hint", self._runtime_hint)
+        return replaced
 
     # -- per-process state ------------------------------------------------------------------------
     @property
@@ -316,8 +327,11 @@ class Strategy:
         sampler whose meaning a shard cannot keep (weighted, with replacement, a subset, a
         custom ``Sampler`` or ``batch_sampler``) is refused, never silently replaced.
 
-        Epochs: the torch sampler advances its epoch only after a full pass, or follows
-        ``sampler.set_epoch(e)``, so a rank that peeks at a batch stays in step with its replicas.
+        Epochs: ``sampler.set_epoch(e)`` (Lightning and Ignite call it) pins the epoch, and
+        every pass of a pinned loader uses it, so a rank that peeks at a batch does not move ahead
+        of its replicas. Unpinned, each pass (each ``iter()``) is the next epoch, checked over all
+        ranks first, so a rank that iterates once more than its replicas fails instead of feeding
+        them other batches.
         """
         if overrides:
             policy = _routing.data_policy_with(self.data_policy, overrides)

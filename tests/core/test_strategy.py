@@ -265,6 +265,46 @@ def test_replace_batch_size_is_checked_against_the_data_axis():
     assert Strategy(data=-1, batch_size=10).data_policy.batch_size == 10  # checked once the world is known
 
 
+def test_replace_batch_size_none_drops_the_global_batch():
+    # Before: batch_size=None meant "not given" inside replace, so the old 64 stayed.
+    s = Strategy(data=2, batch_size=64)
+    assert s.replace(batch_size=None).data_policy.batch_size is None
+    assert s.replace(batch_size=None) == Strategy(data=2)
+    assert s.replace(batch_size=None, data_policy=DataPolicy(shuffle=True)).data_policy == DataPolicy(shuffle=True)
+    assert s.replace(batch_size=8, data_policy=DataPolicy(shuffle=True)).data_policy == DataPolicy(batch_size=8, shuffle=True)
+    assert s.replace(seed=1).data_policy.batch_size == 64  # untouched unless named
+
+
+def test_replace_keeps_the_runtime_the_launching_process_chose(manager, monkeypatch):
+    # Before: a strategy unpickled in a launched process carried its parent's runtime choice, but
+    # strategy.replace(...) dropped it, so the copy could choose another runtime there.
+    import pickle
+
+    from polyparallel import _manager
+
+    class Runtime:
+        def __init__(self, name, priority):
+            self.caps = pp.Capabilities(name, priority=priority)
+
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return self.caps
+
+    manager.register(Runtime("a", 1), name="a-plugin")
+    parent = Strategy(plugin_manager=manager)
+    assert parent.resolve_runtime() == "a"
+    child_pm = pp.PluginManager(autoload=False)  # the child would choose b by itself
+    child_pm.register(Runtime("a", 1), name="a-plugin")
+    child_pm.register(Runtime("b", 2), name="b-plugin")
+    monkeypatch.setattr(_manager, "_default", child_pm)
+    child = pickle.loads(pickle.dumps(parent))
+    assert child.resolve_runtime() == "a"
+    assert child.replace(seed=5).resolve_runtime() == "a"
+    assert child.replace(timeout=5.0, batch_size=4).resolve_runtime() == "a"
+    assert child.replace(runtime="b").resolve_runtime() == "b"  # an explicit choice wins
+    assert child.replace(backend="tree")._runtime_hint is None  # another backend: chosen again
+
+
 # -- check and adapt: refuse before anything starts ------------------------------------------------------
 
 
