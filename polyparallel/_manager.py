@@ -292,6 +292,12 @@ class PluginManager:
             raise NoPluginError(_routing.nobody_answered(self, operation, subject, session))
         return result
 
+    def bridge(self, adapter: str, obj: Any) -> Any:
+        """What the plugin that owns ``obj`` offers the adapter named ``adapter`` for it
+        (``polyparallel_adapter_bridge``), or ``None``: how adapters cooperate without importing
+        each other."""
+        return self.call("polyparallel_adapter_bridge", adapter=adapter, obj=obj)
+
     def served_runtimes(self) -> dict[str, frozenset[str] | None]:
         """Plugin name -> the runtimes whose sessions (and launches) its hooks see; ``None``: all.
 

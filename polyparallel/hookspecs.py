@@ -100,6 +100,24 @@ def polyparallel_register_advisors(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def polyparallel_adapter_bridge(adapter: str, obj: Any) -> Any:
+    """Help another plugin's adapter with an object this plugin owns. Stops at first non-None result.
+
+    Adapters import no other adapter. When one meets an object it cannot drive itself (the
+    Ignite adapter's ``create_supervised_trainer`` handed a DeepSpeed engine, which steps its own
+    optimizer), it asks through ``PluginManager.bridge(adapter, obj)``, and the plugin that owns
+    the object answers with what the asking adapter documents it needs (Ignite:
+    ``create_trainer(model, loss_fn, device, **kwargs)`` and ``create_evaluator(model, metrics,
+    device, **kwargs)``, each returning an ignite ``Engine``).
+
+    :param adapter: the name of the asking adapter (``"ignite"``).
+    :param obj: the object it was handed.
+    :return: the bridge (any object offering what that adapter documents), or ``None`` when this
+        plugin does not own ``obj`` or has no bridge to ``adapter``.
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # lifecycle: processes and per-process runtime state
 # -------------------------------------------------------------------------------------------------

@@ -66,6 +66,17 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 
 @hookimpl
+def polyparallel_adapter_bridge(adapter: str, obj: Any) -> Any:
+    # The Ignite adapter's create_supervised_trainer/evaluator handed an engine: ignite engines
+    # that step it (the Ignite adapter does not import this plugin; adapters stay independent).
+    if adapter != "ignite" or not is_engine(obj):
+        return None
+    from . import ignite
+
+    return ignite
+
+
+@hookimpl
 def polyparallel_register_demos(register: Any) -> None:
     from .demo import run_demo
 

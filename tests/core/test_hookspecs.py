@@ -105,6 +105,13 @@ class Recorder:
                 return ModelProfile(model, "recorded-runtime", [LayerProfile("only", ((400, False),), flops=1e6)])
         register("recorded-runtime", Advisor())
 
+    @pp.hookimpl
+    def polyparallel_adapter_bridge(self, adapter, obj):
+        if not isinstance(obj, Subject):
+            return None
+        self.calls.append(("polyparallel_adapter_bridge", {"adapter": adapter, "obj": obj}))
+        return ("bridge", adapter, obj)
+
     @pp.hookimpl(tryfirst=True)
     def polyparallel_process_info(self, strategy):
         self.calls.append(("polyparallel_process_info", {"strategy": strategy}))
@@ -204,6 +211,13 @@ def _advisors(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], 
     assert rec.seen("polyparallel_register_advisors")
 
 
+def _adapter_bridge(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject = Subject()
+    assert strategy.plugin_manager.bridge("ignite", subject) == ("bridge", "ignite", subject)
+    assert strategy.plugin_manager.bridge("ignite", object()) is None  # not the recorder's: no bridge
+    assert rec.seen("polyparallel_adapter_bridge") == [{"adapter": "ignite", "obj": subject}]
+
+
 def _process_info(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
     session = strategy.session()
     assert (session.rank, session.world_size) == (1, 2)
@@ -273,6 +287,7 @@ CASES: dict[str, Case] = {
     "polyparallel_capabilities": _capabilities,
     "polyparallel_register_demos": _demos,
     "polyparallel_register_advisors": _advisors,
+    "polyparallel_adapter_bridge": _adapter_bridge,
     "polyparallel_process_info": _process_info,
     "polyparallel_session_start": _session_start,
     "polyparallel_session_finish": _session_finish,
