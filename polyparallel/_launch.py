@@ -102,12 +102,15 @@ def launch(
     # The sharding stage is checked against whoever shards: the adapter named (checked above: it
     # may shard by itself, as DeepSpeed does), else the runtime.
     adapter_named = runtime is not None and runtime not in pm.runtimes()
-    pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage)
+    # Precision likewise: an adapter named maps it to its framework's mechanism (checked above).
+    # Accumulation always: the micro-batches come from the runtime's shard_data.
+    pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage,
+                                None if adapter_named else strategy.precision, strategy.accumulate)
     if trace_dir is not None and _trace.FEATURE not in pm.runtimes()[chosen].features:
         raise TypeError(f"launch(trace_dir={trace_dir!r}): the {chosen!r} runtime does not record its collectives "
                         f"(its capabilities lack the {_trace.FEATURE!r} feature), so no trace would be written. "
                         "Drop trace_dir=, or use a runtime that records (torch).")
-    _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})")
+    _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})", strategy.accumulate)
     args, kwargs = tuple(args), dict(kwargs or {})
     try:  # here, not in a half-started job: the processes get them pickled
         pickle.dumps((fn, args, kwargs))

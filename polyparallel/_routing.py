@@ -212,17 +212,24 @@ def require(pm: PluginManager, strategy: Strategy, among: Mapping[str, str] | No
     raise NoPluginError(no_runtime_message(pm, needed_by))
 
 
-def check_batch(policy: DataPolicy, topology: Topology, where: str) -> None:
-    """The global batch size must divide over the data axis of ``topology`` (when its size is known)."""
+def check_batch(policy: DataPolicy, topology: Topology, where: str, accumulate: int = 1) -> None:
+    """The global batch size must divide over the data axis of ``topology`` (when its size is
+    known) times the ``accumulate`` micro-batches of a step."""
     batch = policy.batch_size
     data = topology.size("data")
-    if batch is None or data < 1 or batch % data == 0:
+    parts = data * accumulate if data >= 1 else accumulate
+    if batch is None or batch % parts == 0:
         return
-    lower, upper = batch // data * data, (batch // data + 1) * data
+    lower, upper = batch // parts * parts, (batch // parts + 1) * parts
+    if data >= 1:
+        over = f"data={data} ranks" + (f" x accumulate={accumulate} micro-batches" if accumulate > 1 else "")
+        takes = "batch_size / data" if accumulate == 1 else "batch_size / (data x accumulate)"
+        what = f"each data rank takes {takes} samples a micro-step"
+    else:  # the data size is not known yet: the micro-batches alone must divide it
+        over, what = f"accumulate={accumulate} micro-batches", "each optimizer step is accumulate micro-batches"
     raise TopologyError(
-        f"{where}: the global batch size {batch} does not divide over data={data} ranks (each data rank "
-        f"takes batch_size / data samples). Use a multiple of {data} "
-        f"({' or '.join(str(b) for b in (lower, upper) if b)}), or batch_size=None to keep a loader's own "
+        f"{where}: the global batch size {batch} does not divide over {over} ({what}). Use a multiple of "
+        f"{parts} ({' or '.join(str(b) for b in (lower, upper) if b)}), or batch_size=None to keep a loader's own "
         "batch size per rank."
     )
 
@@ -240,15 +247,18 @@ def data_policy_with(policy: DataPolicy, overrides: Mapping[str, Any]) -> DataPo
 
 def check_session(pm: PluginManager, session: Session) -> None:
     """Before any process group exists: the session's runtime admits its resolved topology's axes,
-    and the batch size divides over its data axis (covers scripts under torchrun that build their
-    Strategy themselves). Not the sharding stage: an adapter may shard by itself on the runtime's
-    groups (DeepSpeed); the stage is checked by ``launch``/``check``/``adapt`` against whoever
-    shards, and by the runtime's own ``wrap_model`` when it shards."""
+    and the batch size divides over its data axis (times the accumulated micro-batches; covers
+    scripts under torchrun that build their Strategy themselves). Not the sharding stage nor the
+    precision: an adapter may shard, or map the precision, by itself on the runtime's groups
+    (DeepSpeed); they are checked by ``launch``/``check``/``adapt`` against whoever does it, and
+    by the runtime's own ``wrap_model`` when it does."""
     runtime = session.runtime
     if runtime is not None:
-        pm.runtimes()[runtime].check(session.topology)
-    check_batch(session.strategy.data_policy, session.topology,
-                f"{session.strategy!r} in a world of {session.world_size}")
+        # Accumulation too: whoever steps, the micro-batches are the runtime's shard_data's.
+        pm.runtimes()[runtime].check(session.topology, accumulate=session.strategy.accumulate)
+    strategy = session.strategy
+    check_batch(strategy.data_policy, session.topology, f"{strategy!r} in a world of {session.world_size}",
+                strategy.grad_policy.accumulate)
 
 
 def _describe(operation: str, subject: Any) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import _checkpoints, _routing
 from ._errors import CheckpointError, NoPluginError, TopologyError
 from ._manager import PluginManager, get_plugin_manager
-from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, PrecisionPolicy, ShardPolicy, StatePolicy
 from ._topology import Topology
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["Strategy"]
 
 _FIELDS = ("topology", "timeout", "seed", "backend", "runtime", "data_policy", "grad_policy", "metric_policy",
-           "state_policy", "shard_policy")
+           "state_policy", "shard_policy", "precision")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
@@ -43,6 +43,13 @@ class Strategy:
     :param zero: the sharding stage over the data axis, 0-3 (shortcut for
         ``shard_policy=ShardPolicy(stage=)``): 0 replicates, 1 shards optimizer state, 2 also
         gradients, 3 also parameters. Refused before launch by a target that cannot run it.
+    :param precision: the numeric precision (a :class:`PrecisionPolicy` or a preset name:
+        ``"32"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"fp16-mixed"``), mapped by every target to
+        its framework's mechanism; ``None`` (the default) leaves the model's own dtypes and the
+        framework's defaults alone. Refused before launch by a target that cannot run it.
+    :param accumulate: micro-batches per optimizer step (shortcut for
+        ``grad_policy=GradPolicy(accumulate=)``): the global batch ``batch_size`` is ``micro-batch
+        x accumulate x data`` in every framework, and gradients are reduced once per step.
     :param data_policy, grad_policy, metric_policy, state_policy, shard_policy: see
         :mod:`polyparallel` policies.
     :param plugin_manager: the plugin manager operations dispatch through (default: the process's
@@ -66,6 +73,7 @@ class Strategy:
     metric_policy: MetricPolicy
     state_policy: StatePolicy
     shard_policy: ShardPolicy
+    precision: PrecisionPolicy | None
     _pm: PluginManager | None
     _hash: int
     _runtime_hint: str | None  # the runtime chosen by the process that pickled this strategy
@@ -88,6 +96,8 @@ class Strategy:
         state_policy: StatePolicy | Mapping[str, str] | None = None,
         shard_policy: ShardPolicy | None = None,
         zero: int | None = None,
+        precision: PrecisionPolicy | str | None = None,
+        accumulate: int | None = None,
         plugin_manager: PluginManager | None = None,
     ):
         sizes = {k: v for k, v in (("data", data), ("tensor", tensor), ("pipeline", pipeline)) if v is not None}
@@ -130,17 +140,37 @@ class Strategy:
         elif zero is not None and zero != shard_policy.stage:
             raise TopologyError(f"Strategy takes zero= or shard_policy=, not two different stages. Received zero={zero!r} "
                                 f"and {shard_policy!r}.")
+        if isinstance(precision, str):
+            try:
+                precision = PrecisionPolicy(precision)
+            except ValueError as exc:
+                raise TopologyError(str(exc).replace("PrecisionPolicy:", "Strategy(precision=):", 1)) from None
+        elif precision is not None and not isinstance(precision, PrecisionPolicy):
+            raise TopologyError(f"Strategy(precision=) must be a preset name ('32', 'bf16-mixed', 'bf16-true', "
+                                f"'fp16-mixed'), a PrecisionPolicy, or None. Received: {precision!r}.")
+        if grad_policy is None:
+            grad_policy = GradPolicy()
+        elif not isinstance(grad_policy, GradPolicy):
+            raise TopologyError(f"Strategy(grad_policy=) must be a GradPolicy. Received: {grad_policy!r}.")
+        if accumulate is not None:
+            if grad_policy.accumulate not in (1, accumulate):
+                raise TopologyError(f"Strategy takes accumulate= or grad_policy=GradPolicy(accumulate=), not two "
+                                    f"different counts. Received accumulate={accumulate!r} and {grad_policy!r}.")
+            try:
+                grad_policy = dataclasses.replace(grad_policy, accumulate=accumulate)
+            except ValueError as exc:
+                raise TopologyError(str(exc).replace("GradPolicy.accumulate", "Strategy(accumulate=)")) from None
         values = dict(
             topology=topology, timeout=float(timeout), seed=seed, backend=backend, runtime=runtime,
-            data_policy=data_policy, grad_policy=GradPolicy() if grad_policy is None else grad_policy,
+            data_policy=data_policy, grad_policy=grad_policy,
             metric_policy=MetricPolicy() if metric_policy is None else metric_policy, state_policy=state_policy,
-            shard_policy=shard_policy,
+            shard_policy=shard_policy, precision=precision,
         )
         for name, kind in (("data_policy", DataPolicy), ("grad_policy", GradPolicy),
                            ("metric_policy", MetricPolicy), ("state_policy", StatePolicy)):
             if not isinstance(values[name], kind):
                 raise TopologyError(f"Strategy({name}=) must be a {kind.__name__}. Received: {values[name]!r}.")
-        _routing.check_batch(data_policy, topology, "Strategy")
+        _routing.check_batch(data_policy, topology, "Strategy", grad_policy.accumulate)
         for field, item in values.items():
             object.__setattr__(self, field, item)
         object.__setattr__(self, "_pm", plugin_manager)
@@ -178,7 +208,17 @@ class Strategy:
                         if getattr(self, name) is not None)
         if self.shard_policy.stage:
             extra += f", zero={self.shard_policy.stage}"
+        if self.precision is not None:
+            name = self.precision.name
+            extra += f", precision={name!r}" if name else f", precision={self.precision!r}"
+        if self.accumulate > 1:
+            extra += f", accumulate={self.accumulate}"
         return f"Strategy({axes}, timeout={self.timeout:g}, seed={self.seed}{extra})"
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step (``grad_policy.accumulate``)."""
+        return self.grad_policy.accumulate
 
     def replace(self, **changes: Any) -> Strategy:
         """A copy with some fields changed (``topology``, ``timeout``, ``runtime``, a policy, axis
@@ -196,6 +236,12 @@ class Strategy:
                 raise TopologyError("Strategy.replace() takes zero= or shard_policy=, not both.")
             values.pop("shard_policy")
             values["zero"] = changes.pop("zero")
+        if "accumulate" in changes:
+            policy = changes.pop("grad_policy", values["grad_policy"])
+            if not isinstance(policy, GradPolicy):
+                raise TopologyError(f"Strategy(grad_policy=) must be a GradPolicy. Received: {policy!r}.")
+            values["grad_policy"] = dataclasses.replace(policy, accumulate=1)
+            values["accumulate"] = changes.pop("accumulate")
         axes = {a: changes.pop(a) for a in ("data", "tensor", "pipeline") if a in changes}
         if axes and "topology" in changes:
             raise TopologyError(
@@ -268,7 +314,7 @@ class Strategy:
         pm = self.plugin_manager
         if target is None:
             runtime = _routing.require(pm, self)
-            pm.runtimes()[runtime].check(topology, self.shard_policy.stage)
+            pm.runtimes()[runtime].check(topology, self.shard_policy.stage, self.precision, self.accumulate)
         else:
             if not isinstance(target, str) or not target:
                 raise TypeError(f"check(target=) must be a runtime or adapter name. Received: {target!r}.")
@@ -281,18 +327,18 @@ class Strategy:
                     f"No installed plugin provides the target {target!r}. Known targets: "
                     f"{', '.join(known) or 'none'}.", hint, others))
             if target in runtimes:
-                runtimes[target].check(topology, self.shard_policy.stage)
+                runtimes[target].check(topology, self.shard_policy.stage, self.precision, self.accumulate)
                 _routing.require(pm, self, {target: f"Strategy.check({target!r})"})
             if target in adapters:
                 self._adapter_strategy(adapters[target], topology)
         if topology.is_resolved:
-            _routing.check_batch(self.data_policy, topology, f"{self!r} on {topology.world_size} ranks")
+            _routing.check_batch(self.data_policy, topology, f"{self!r} on {topology.world_size} ranks", self.accumulate)
 
     def _adapter_strategy(self, adapter: Any, topology: Topology) -> Strategy:
         """Check ``adapter`` can run this strategy; the strategy its factory gets (the same, or
         one whose runtime is pinned to the adapter's when the automatic choice differs)."""
         caps = adapter.capabilities
-        caps.check(topology, self.shard_policy.stage)
+        caps.check(topology, self.shard_policy.stage, self.precision, self.accumulate)
         if not caps.runtimes:
             return self
         who = f"the adapter {adapter.name!r} (plugin {adapter.plugin!r})"
@@ -335,7 +381,7 @@ class Strategy:
         """
         if overrides:
             policy = _routing.data_policy_with(self.data_policy, overrides)
-            _routing.check_batch(policy, self.session().topology, "shard_data()")
+            _routing.check_batch(policy, self.session().topology, "shard_data()", self.accumulate)
         else:
             policy = self.data_policy
         return self._dispatch("shard_data", data, data=data, policy=policy)

@@ -48,6 +48,11 @@ def cli() -> None:
 @click.option("--zero", type=click.IntRange(0, 3), default=None,
               help="sharding stage over the data axis (0-3; default 0); with --runtime, checked against what it runs; "
                    "with --model, only this stage is advised [default with --model: all]")
+@click.option("--precision", default=None, metavar="PRESET",
+              help="numeric precision ('32', 'bf16-mixed', 'bf16-true', 'fp16-mixed'); with --runtime, checked "
+                   "against what it runs")
+@click.option("--accumulate", type=click.IntRange(min=1), default=1, show_default=True,
+              help="micro-batches per optimizer step (the global --batch-size is micro-batch x accumulate x data)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
 @click.option("--model", default=None, metavar="MODULE:FACTORY",
               help="advise a topology for this model: estimate memory, communication and step time of every "
@@ -61,8 +66,8 @@ def cli() -> None:
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="with --measure: seconds per candidate")
 @click.pass_context
 def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None, batch_size: int | None,
-         zero: int | None, model: str | None, seq_len: int | None, optimizer: str, measure: int, steps: int,
-         timeout: float, **sizes: int) -> None:
+         zero: int | None, precision: str | None, accumulate: int, model: str | None, seq_len: int | None,
+         optimizer: str, measure: int, steps: int, timeout: float, **sizes: int) -> None:
     """Show the rank grid, the groups of every axis and the rank roles; with --model, rank the
     topologies of --world ranks for that model."""
     if model is not None:
@@ -76,19 +81,33 @@ def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None
         return
     zero = zero or 0
     try:
-        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero)
+        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero, precision=precision,
+                            accumulate=accumulate)
         topology = strategy.topology.resolve(world_size)
         if runtime is not None:
             strategy.check(runtime, world_size=world_size)  # capabilities, runtime, batch size
         else:
-            check_batch(strategy.data_policy, topology, f"--batch-size {batch_size}")
+            check_batch(strategy.data_policy, topology, f"--batch-size {batch_size}", accumulate)
     except (PolyparallelError, ValueError) as exc:  # policies raise ValueError naming the field
         raise click.ClickException(str(exc)) from None
+    policy = strategy.precision
+    micro = batch_size // (topology.size("data") * accumulate) if batch_size else None
     if as_json:
-        click.echo(json.dumps({**topology.to_dict(), "zero": zero, **({"runtime": runtime} if runtime else {})}, indent=2))
+        extra = {"precision": {"name": policy.name, **policy.dtypes(), "loss_scaling": policy.loss_scaling}
+                 if policy is not None else None, "accumulate": accumulate,
+                 "batch_size": batch_size, "micro_batch_per_rank": micro}
+        click.echo(json.dumps({**topology.to_dict(), "zero": zero, **extra, **({"runtime": runtime} if runtime else {})},
+                              indent=2))
         return
     click.echo(f"{topology!r}  world size {topology.world_size}" + (f"  zero={zero}" if zero else "")
-               + (f"  (runs on {runtime!r})" if runtime else "") + "\n")
+               + (f"  (runs on {runtime!r})" if runtime else ""))
+    if policy is not None:
+        dtypes = ", ".join(f"{role} {dtype}" for role, dtype in policy.dtypes().items())
+        click.echo(f"precision {policy.name or 'custom'}: {dtypes}" + (", dynamic loss scaling" if policy.loss_scaling else ""))
+    if batch_size is not None or accumulate > 1:
+        click.echo(f"global batch {batch_size if batch_size is not None else '(the loaders)'} = "
+                   f"micro-batch {micro if micro is not None else '?'} x accumulate {accumulate} x data {topology.size('data')}")
+    click.echo("")
     header = ["rank", *AXES, "roles"]
     rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
             for r in range(topology.world_size)]

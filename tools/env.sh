@@ -6,14 +6,20 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${POLYPARALLEL_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+# The versions the suite was tested with (tools/constraints.txt, written by tools/freeze.sh), so a
+# fresh clone installs what CI tested. POLYPARALLEL_CONSTRAINTS= (empty) installs the newest
+# releases pyproject.toml admits instead (use another POLYPARALLEL_VENV for that: CONTRIBUTING.md).
+CONSTRAINTS="${POLYPARALLEL_CONSTRAINTS-$ROOT/tools/constraints.txt}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 STAMP="$VENV/.polyparallel-stamp"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_party_plugin/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_party_plugin/pyproject.toml"
+          echo "constraints: ${CONSTRAINTS:-none}"; [ -z "$CONSTRAINTS" ] || cat "$CONSTRAINTS") | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+    [ -z "$CONSTRAINTS" ] || PIP+=(-c "$CONSTRAINTS")
     # torch first, pinned to the CPU wheel this machine serves locally; later installs of
     # "torch>=2.13,<2.14" are then satisfied and download nothing.
     "${PIP[@]}" "torch==2.13.0"

@@ -305,6 +305,37 @@ def test_replace_keeps_the_runtime_the_launching_process_chose(manager, monkeypa
     assert child.replace(backend="tree")._runtime_hint is None  # another backend: chosen again
 
 
+def test_precision_and_accumulate_are_part_of_the_value():
+    s = Strategy(data=2, batch_size=64, precision="bf16-mixed", accumulate=2)
+    assert s.precision == pp.PrecisionPolicy("bf16-mixed") and s.accumulate == 2 and s.grad_policy.accumulate == 2
+    assert s == Strategy(data=2, batch_size=64, precision=pp.PrecisionPolicy(compute_dtype="bfloat16"),
+                         grad_policy=pp.GradPolicy(accumulate=2))
+    assert s != s.replace(precision=None) and s != s.replace(accumulate=1)
+    assert repr(s) == "Strategy(pipeline=1, data=2, tensor=1, timeout=60, seed=0, precision='bf16-mixed', accumulate=2)"
+    assert Strategy().precision is None and Strategy().accumulate == 1  # unset: the model's own dtypes, no accumulation
+    import pickle
+
+    assert pickle.loads(pickle.dumps(s)) == s and hash(pickle.loads(pickle.dumps(s))) == hash(s)
+    assert s.replace(accumulate=4, batch_size=128).accumulate == 4
+    assert s.replace(grad_policy=pp.GradPolicy(op="sum"), accumulate=4).grad_policy == pp.GradPolicy(op="sum", accumulate=4)
+
+
+def test_precision_and_accumulate_are_validated_at_construction():
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(precision=\): unknown preset 'bf8'"):
+        Strategy(precision="bf8")
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(precision=\) must be a preset name .* Received: 16"):
+        Strategy(precision=16)
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(accumulate=\) must be a positive int"):
+        Strategy(accumulate=0)
+    with pytest.raises(pp.TopologyError, match=r"accumulate= or grad_policy=GradPolicy\(accumulate=\), not two"):
+        Strategy(accumulate=2, grad_policy=pp.GradPolicy(accumulate=3))
+    with pytest.raises(pp.TopologyError, match=r"the global batch size 48 does not divide over data=4 ranks x "
+                                               r"accumulate=8 micro-batches .* multiple of 32 \(32 or 64\)"):
+        Strategy(data=4, batch_size=48, accumulate=8)
+    with pytest.raises(pp.TopologyError, match=r"does not divide over accumulate=4 micro-batches"):
+        Strategy(batch_size=6, accumulate=4)  # data inferred later: the micro-batches alone must divide it
+
+
 # -- check and adapt: refuse before anything starts ------------------------------------------------------
 
 
