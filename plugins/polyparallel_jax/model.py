@@ -3,10 +3,10 @@
 >>> model = Model(module, loss="cross_entropy", optimizer=optax.adam(1e-3), metrics=["accuracy"])  # doctest: +SKIP
 >>> model.fit(x, y, epochs=5, batch_size=64, strategy=pp.Strategy(data=-1))              # doctest: +SKIP
 
-The train step is one ``jax.jit`` program: a ``shard_map`` manual over ``data`` (each device
-computes the gradient of its own rows; ``strategy.sync_grads`` averages them) and automatic
-(GSPMD) over ``tensor`` (parameters split by partition rules), followed by the optax update on
-the sharded parameters. Metrics and losses are reduced count-weighted by
+The train step is one ``jax.jit`` program (:mod:`polyparallel_jax.steps`): a ``shard_map`` manual
+over ``data`` (each device computes the gradient of its own rows; ``strategy.sync_grads`` averages
+them) and automatic (GSPMD) over ``tensor`` (parameters split by partition rules), followed by the
+optax update on the sharded parameters. Metrics and losses are reduced count-weighted by
 ``strategy.reduce_metrics``; BatchNorm statistics follow ``strategy.state_policy``:
 
 - ``mean`` (the default for ``batch_stats*``): synchronised BatchNorm — batch statistics over the
@@ -38,32 +38,19 @@ import numpy as np
 import polyparallel as pp
 
 from . import losses as _losses
+from . import steps
 from .data import ShardedArrays
 from .progress import ProgressBar
 from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
+from .steps import DATA, split_state
 
 __all__ = ["Model"]
-
-DATA = "data"
 
 #: Where a Model's state lives: (strategy or None for one device, its runtime, the wrapped module or None).
 _Placement = tuple[pp.Strategy | None, JaxRuntime, Any]
 
 #: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
 _STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
-
-
-class _Plain:
-    """Stand-in for a strategy on one device: the same step code, no collectives."""
-
-    def sync_grads(self, grads: Any) -> Any:
-        return grads
-
-    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.total / v.count for k, v in metrics.items()}
-
-    def sync_states(self, states: Any) -> Any:
-        return states
 
 
 class Model:
@@ -162,7 +149,7 @@ class Model:
                 if isinstance(sub, nnx.BatchNorm):
                     sub.axis_name = DATA if sync else None
             self.module.train() if train else self.module.eval()
-            return _split_state(self.module)
+            return split_state(self.module)
         finally:
             for sub, attributes in saved:
                 for name, value in attributes.items():
@@ -173,91 +160,15 @@ class Model:
         return strategy.state_policy.action_for("batch_stats")
 
     # -- steps ---------------------------------------------------------------------------------
-    def _per_device(self, graphdef: Any, ops: Any, train: bool, local_stats: bool, fold_rngs: bool) -> Any:
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        def body(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
-            if local_stats:
-                stats = jax.tree.map(lambda s: s[0], stats)  # (1, ...) per device -> (...)
-            keys_in = rest
-            if fold_rngs:
-                index = jax.lax.axis_index(DATA)
-                rest = jax.tree.map(lambda v: v.replace(jax.random.fold_in(v.get_value(), index))
-                                    if isinstance(v, nnx.RngKey) else v, rest,
-                                    is_leaf=lambda v: isinstance(v, nnx.Variable))
-            count = jnp.sum(mask)
-            total_count = jax.lax.psum(count, DATA) if _in_data() else count
-            scale = jax.lax.axis_size(DATA) if _in_data() else 1
-
-            def objective(params: Any) -> Any:
-                model = nnx.merge(graphdef, params, stats, rest, copy=True)
-                predictions = model(x)
-                per_sample = self.loss_fn(predictions, y)
-                loss_sum = jnp.sum(per_sample * mask)
-                _, _, new_stats, new_rest = _split_state(model)
-                # Local sum scaled so that sync_grads' mean over devices is the gradient of the
-                # global mean loss, exactly, even for shards of unequal size.
-                return loss_sum * scale / jnp.maximum(total_count, 1), (predictions, loss_sum, new_stats, new_rest)
-
-            if train:
-                (_, (predictions, loss_sum, new_stats, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-                grads = ops.sync_grads(grads)
-            else:
-                _, (predictions, loss_sum, new_stats, new_rest) = objective(params)
-                grads = None
-            values = {"loss": pp.Mean(loss_sum, count)}
-            for name, fn in self.metric_fns.items():
-                values[name] = pp.Mean(jnp.sum(fn(predictions, y) * mask), count)
-            metrics = ops.reduce_metrics(values)
-            if local_stats:
-                new_stats = jax.tree.map(lambda s: s[None], new_stats)
-            else:
-                new_stats = ops.sync_states(new_stats)
-            if fold_rngs:  # keys go back unfolded; counters advanced identically everywhere
-                new_rest = jax.tree.map(lambda new, old: new.replace(old.get_value()) if isinstance(new, nnx.RngKey) else new,
-                                        new_rest, keys_in, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            return grads, new_stats, new_rest, metrics, predictions
-
-        return body
-
     def _step(self, train: bool) -> Any:
         """The compiled train (or eval) step for the current placement, built once."""
-        import jax
-        import optax
-        from jax.sharding import PartitionSpec as P
-
         key = ("train" if train else "eval", self._local_stats is not None and train)
-        if key in self._steps:
-            return self._steps[key]
-        strategy, runtime, _ = self._placement
-        graphdef, _, _, _ = self._split(train)
-        local = key[1]
-        if strategy is None:
-            body = self._per_device(graphdef, _Plain(), train, False, False)
-            mapped = body
-        else:
-            body = self._per_device(graphdef, strategy, train, local, True)
-            stats_spec = P(DATA) if local else P()
-            mapped = jax.shard_map(body, mesh=runtime.mesh, axis_names={DATA},
-                                   in_specs=(P(), stats_spec, P(), P(DATA), P(DATA), P(DATA)),
-                                   out_specs=(P(), stats_spec, P(), P(), P(DATA)))
-        tx = self.optimizer
-
-        if train:
-            def train_step(params: Any, stats: Any, rest: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
-                grads, stats, rest, metrics, _ = mapped(params, stats, rest, x, y, mask)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), stats, rest, opt_state, metrics
-            compiled = jax.jit(train_step, donate_argnums=(0, 1, 3))
-        else:
-            def eval_step(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
-                _, _, _, metrics, predictions = mapped(params, stats, rest, x, y, mask)
-                return metrics, predictions
-            compiled = jax.jit(eval_step)
-        self._steps[key] = compiled
-        return compiled
+        if key not in self._steps:
+            strategy, runtime, _ = self._placement
+            graphdef, _, _, _ = self._split(train)
+            self._steps[key] = steps.build(graphdef, strategy, runtime, self.loss_fn, self.metric_fns, self.optimizer,
+                                           train=train, local_stats=key[1])
+        return self._steps[key]
 
     # -- data --------------------------------------------------------------------------------------
     def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
@@ -481,21 +392,6 @@ class Model:
         from . import saving
 
         return saving.load_model(self, os.fspath(path), strategy, loader)
-
-
-def _split_state(module: Any) -> tuple[Any, Any, Any, Any]:
-    """``nnx.split`` of ``module`` into (graphdef, parameters, BatchNorm statistics, the rest)."""
-    from flax import nnx
-
-    graphdef, params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    stats, rest = states  # three filters, so exactly two more states (flax's type says "any number")
-    return graphdef, params, stats, rest
-
-
-def _in_data() -> bool:
-    from .ops import inside_data_axis
-
-    return inside_data_axis()
 
 
 def _weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:

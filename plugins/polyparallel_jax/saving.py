@@ -26,6 +26,7 @@ import polyparallel as pp
 from polyparallel import _checkpoints as core
 
 from . import checkpoint as ck
+from .steps import split_state
 
 if TYPE_CHECKING:
     from .model import Model
@@ -40,9 +41,7 @@ FIT_KEEP = 2
 
 
 def _module_sections(module: Any) -> dict[str, Any]:
-    from .model import _split_state
-
-    _, params, stats, rest = _split_state(module)
+    _, params, stats, rest = split_state(module)
     return dict(zip(MODULE_SECTIONS, (params, stats, rest)))
 
 
