@@ -71,6 +71,24 @@ def test_written_at_data4_tensor2_loads_at_data8_and_on_one_device(jax_strategy,
     _assert_close(nnx.state(read.module, nnx.Param), nnx.state(written.module, nnx.Param), atol=1e-5)
 
 
+def test_local_batch_stats_loaded_under_another_strategy_start_like_a_refit(jax_strategy, tmp_path):
+    # A checkpoint holds the average of the per-device statistics; loaded under data=4 x tensor=2,
+    # every device starts from it, exactly as the Model that wrote it does when it is refitted there.
+    x, y = dataset(200)
+    local = {"batch_stats*": "local"}
+    written = _model()
+    written.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=8, state_policy=local), verbose=0)
+    path = written.save(str(tmp_path / "ckpt"))
+    read = _model(seed=5)
+    read.load(path, strategy=jax_strategy(data=4, tensor=2, state_policy=local))
+    assert read.batch_stats_per_device is None  # per-device copies start at the next fit
+    for model in (written, read):
+        model.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=4, tensor=2, state_policy=local), verbose=0)
+    assert np.asarray(read.batch_stats_per_device["bn"]["mean"][...]).shape[0] == 4
+    _assert_close(read.batch_stats_per_device, written.batch_stats_per_device, atol=1e-6)
+    _assert_close(_everything(read), _everything(written), atol=1e-6)
+
+
 class _Killed(Exception):
     """Stands for the job dying right after a checkpoint was committed."""
 
