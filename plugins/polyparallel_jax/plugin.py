@@ -242,7 +242,7 @@ def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, pat
     framework = state.get("framework") or "flax"
     extras = {k: v for k, v in state.items() if k not in ("model", "optimizer", "loader", "framework")}
     if isinstance(model, Model):
-        model._place(strategy)  # the Model saves from its placement on this strategy
+        model.place(strategy)  # the Model saves from its placement on this strategy
         return saving.save_model(model, path, extras, framework, loader)
     return saving.save_module(strategy, path, model, optimizer, loader, framework, extras)
 

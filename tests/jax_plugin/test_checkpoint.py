@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -68,6 +69,24 @@ def test_written_at_data4_tensor2_loads_at_data8_and_on_one_device(jax_strategy,
     written.fit(x, y, epochs=1, batch_size=32, verbose=0)
     read.fit(x, y, epochs=1, batch_size=32, verbose=0)
     _assert_close(nnx.state(read.module, nnx.Param), nnx.state(written.module, nnx.Param), atol=1e-5)
+
+
+def test_local_batch_stats_loaded_under_another_strategy_start_like_a_refit(jax_strategy, tmp_path):
+    # A checkpoint holds the average of the per-device statistics; loaded under data=4 x tensor=2,
+    # every device starts from it, exactly as the Model that wrote it does when it is refitted there.
+    x, y = dataset(200)
+    local = {"batch_stats*": "local"}
+    written = _model()
+    written.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=8, state_policy=local), verbose=0)
+    path = written.save(str(tmp_path / "ckpt"))
+    read = _model(seed=5)
+    read.load(path, strategy=jax_strategy(data=4, tensor=2, state_policy=local))
+    assert read.batch_stats_per_device is None  # per-device copies start at the next fit
+    for model in (written, read):
+        model.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=4, tensor=2, state_policy=local), verbose=0)
+    assert np.asarray(read.batch_stats_per_device["bn"]["mean"][...]).shape[0] == 4
+    _assert_close(read.batch_stats_per_device, written.batch_stats_per_device, atol=1e-6)
+    _assert_close(_everything(read), _everything(written), atol=1e-6)
 
 
 class _Killed(Exception):
@@ -215,6 +234,35 @@ def test_old_msgpack_files_still_load(jax_strategy, tmp_path):
     read.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=8), verbose=0)  # Adam state placed on first fit
     written.fit(x, y, epochs=1, batch_size=32, verbose=0)
     _assert_close(nnx.state(read.module, nnx.Param), nnx.state(written.module, nnx.Param), atol=1e-5)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"not a checkpoint\n", r"is a file that is not msgpack \(ExtraData: .*\); Model.load\(\) reads a checkpoint "
+                             r"directory written by Model.save\(\), or a flax msgpack file"),
+    (b"", r"is a file that is not msgpack \(ValueError: .*\); Model.load\(\) reads a checkpoint directory"),
+    (serialization.msgpack_serialize([1, 2, 3]), r"is msgpack but holds no 'module' state; Model.load\(\) reads"),
+], ids=["text", "empty", "msgpack-list"])
+def test_a_file_that_is_no_model_msgpack_is_refused_naming_it(tmp_path, content, message):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(content)
+    model = _model()
+    before = _host(nnx.state(model.module))
+    with pytest.raises(pp.CheckpointError, match=re.escape(repr(str(path))) + " " + message):
+        model.load(str(path))
+    _assert_close(nnx.state(model.module), before, atol=0)
+
+
+def test_another_models_msgpack_file_is_refused_naming_the_leaf(tmp_path):
+    other = _model(hidden=8)
+    blob = {"module": nnx.to_pure_dict(nnx.state(other.module, (nnx.Param, nnx.BatchStat)))}
+    path = tmp_path / "model.msgpack"
+    path.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, blob)))
+    model = _model()
+    before = _host(nnx.state(model.module))
+    with pytest.raises(pp.CheckpointError, match=r"module/l1/kernel has shape \(12, 8\) in the checkpoint but "
+                                                 r"\(12, 16\) here.*Nothing was restored"):
+        model.load(str(path))
+    _assert_close(nnx.state(model.module), before, atol=0)
 
 
 def test_metadata_is_json_the_cli_can_show(saved):
