@@ -155,3 +155,49 @@ def test_refuses_checkpoints_without_lightning_state_and_several_optimizers(tmp_
         trainer.save_checkpoint(str(tmp_path / "two"))
     assert not (tmp_path / "two").exists()
     assert collectives == [], "refused before the path's broadcast (a collective every rank would enter)"
+
+
+class _Planted:
+    """A pickle that runs code when unpickled: it writes the file ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def _planted_worker(directory, sentinel):
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+
+    strategy = pp.Strategy(data=2, zero=3, batch_size=GLOBAL_BATCH, seed=0, timeout=60)
+    trainer = make_trainer(strategy, NS, max_steps=1, limit_val_batches=0)
+    try:
+        trainer.fit(reference_module_class(NS)(0), _loader(), ckpt_path=directory)
+        outcome = ["loaded", ""]
+    except Exception as exc:
+        outcome = [type(exc).__name__, str(exc)]
+    return {"rank": strategy.rank, "outcome": outcome, "ran": os.path.exists(sentinel)}
+
+
+def test_a_crafted_lightning_directory_is_never_unpickled(run, tmp_path):
+    # A directory holding meta.pt is read as Lightning's ModelParallelStrategy format (zero >= 1; at
+    # zero=3 the parameters are DTensors, which that loader needs before it reads anything),
+    # whose DCP reader would pickle.load its .metadata: a crafted directory would run code.
+    import pickle
+
+    import torch
+
+    require = pytest.importorskip("polyparallel_torch.plugin")
+    if 3 not in require.CAPABILITIES.stages:
+        pytest.skip("the torch runtime does not declare zero=3")
+    directory, sentinel = tmp_path / "crafted.ckpt", tmp_path / "ran.txt"
+    directory.mkdir()
+    torch.save({"epoch": 0, "global_step": 0}, directory / "meta.pt")
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(_Planted(str(sentinel)), f)
+    results = run(_planted_worker, pp.Strategy(data=2, zero=3, timeout=60), 2, str(directory), str(sentinel),
+                  timeout=300)
+    assert not sentinel.exists(), "the crafted .metadata ran code"
+    for r in results:
+        assert r["outcome"][0] == "CheckpointError" and "refusing to load builtins.exec" in r["outcome"][1], r
