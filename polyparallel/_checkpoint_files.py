@@ -113,13 +113,35 @@ class Records:
                 for rel, (size, digest) in sorted(files.items())}
 
 
+def os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` that is ``exc`` or caused it (its ``__cause__``/``__context__`` chain), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def naming(exc: OSError, path: Any) -> OSError:
+    """``exc`` with the file it is about (an error of ``write`` or ``fsync`` names none)."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, os.fspath(path))
+
+
 def write_bytes(path: str, data: bytes) -> tuple[int, str]:
     """Write ``data`` to ``path`` durably (flushed and fsynced before it returns); returns its size
-    and digest, computed from the bytes written."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    and digest, computed from the bytes written. An ``OSError`` names the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise naming(exc, path) from exc
     return len(data), hashlib.new(HASH, data).hexdigest()
 
 
@@ -156,7 +178,7 @@ def check_records(directory: str, records: Mapping[str, tuple[int, str]]) -> Non
     if missing or unrecorded or resized:
         parts = ([f"written but missing: {missing[:4]}"] if missing else []) + (
             [f"present but written by no rank of this save: {unrecorded[:4]}"] if unrecorded else []) + (
-            [f"another size on disk than written: " + ", ".join(
+            ["another size on disk than written: " + ", ".join(
                 f"{rel} {present[rel]} bytes, {records[rel][0]} written" for rel in resized[:4])] if resized else [])
         raise CheckpointError(f"{directory!r} cannot be committed: its files are not the ones this save wrote ("
                               + "; ".join(parts) + "). Is the directory on a file system every rank shares? "

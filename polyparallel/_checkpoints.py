@@ -52,7 +52,9 @@ VERSION = 2
 OBJECTS = ("model", "optimizer", "loader")
 #: Keys Strategy.load returns next to the extras (so no extra may use them).
 PROGRESS = ("epoch", "step", "global_step")
-RESERVED = (*OBJECTS, "framework", *PROGRESS)
+#: What Strategy.load returns for a partial load (strict=False or keys=): loaded/missing/... keys.
+LOAD_REPORT = "load_report"
+RESERVED = (*OBJECTS, "framework", *PROGRESS, LOAD_REPORT)
 #: What must agree between the saved loader and the loader resumed into (exact resumption).
 LOADER_MUST_MATCH = ("global_batch", "dataset_len", "seed", "shuffle", "remainder")
 _TUPLE, _TENSOR = "__tuple__", "__tensor__"
@@ -106,6 +108,9 @@ def check_save(path: Any, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             raise TypeError(f"Strategy.save: {name!r} is not a name an extra may take: Strategy.load returns the "
                             f"loader's progress under {', '.join(map(repr, PROGRESS))}. Pass loader= (its epoch and "
                             f"position are saved), or name your value otherwise (e.g. my_{name}=).")
+    if LOAD_REPORT in state:
+        raise TypeError(f"Strategy.save: {LOAD_REPORT!r} is not a name an extra may take: Strategy.load returns the "
+                        "report of a partial load under it. Name your value otherwise.")
     framework = state.get("framework")
     if framework is not None and not isinstance(framework, str):
         raise TypeError(f"Strategy.save: framework= names the framework for the metadata (a str). Received: {framework!r}.")
@@ -418,17 +423,27 @@ def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "step-*"
 def prune(directory: str | os.PathLike[str], keep: int, pattern: str = "step-*") -> list[str]:
     """Keep the ``keep`` newest committed checkpoints of ``directory`` named ``pattern`` (newest by
     commit time); remove the older committed ones and the staging directories (``.partial-``) of
-    saves that failed or were killed. The newest committed checkpoint is never removed, nor
-    anything that is not a checkpoint. Call it on one rank, with no save of ``directory`` in
-    flight (:class:`polyparallel.CheckpointManager` does). Returns the removed paths.
+    saves that failed or were killed: those last modified before the newest commit, so that a save
+    in progress (of this job or a peer rank) is never touched. The newest committed checkpoint is
+    never removed, nor anything that is not a checkpoint. Call it on one rank
+    (:class:`polyparallel.CheckpointManager` does). Returns the removed paths.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"prune(keep=) takes an int >= 1 (the newest committed checkpoint always stays). "
                          f"Received: {keep!r}.")
     found = list_checkpoints(directory, pattern)
     committed = [c for c in found if c["committed"]]
+    if not committed:
+        return []
+    newest = committed[-1]["metadata"].get("saved_at_ns", 0)
     doomed = [c["path"] for c in committed[:-keep]]
-    doomed += [c["path"] for c in found if _STAGING in c["name"]]
+    for c in found:
+        if _STAGING in c["name"]:
+            try:
+                if os.stat(c["path"]).st_mtime_ns < newest:
+                    doomed.append(c["path"])
+            except OSError:
+                pass
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

@@ -296,7 +296,7 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
 
 @cli.group()
 def checkpoint() -> None:
-    """Look into checkpoints written by Strategy.save."""
+    """Look into (inspect) and consolidate (export) checkpoints written by Strategy.save."""
 
 
 @checkpoint.command("inspect")
@@ -315,6 +315,27 @@ def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool, no_verify: bo
     click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
     if info["kind"] == "uncommitted" or "problem" in info:
         sys.exit(1)
+
+
+@checkpoint.command("export")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors"]), required=True,
+              help="torch: model, optimizer and extras in one torch.load(weights_only=True) file; "
+                   "safetensors: the model's tensors")
+@click.option("-o", "--output", default=None, help="the file to write (default: PATH.pt / PATH.safetensors)")
+def checkpoint_export(path: str, to: str, output: str | None) -> None:
+    """Write the committed checkpoint PATH, written at any topology, as one consolidated file that
+    loads without polyparallel (after verifying every file's SHA-256)."""
+    import os
+
+    from ._checkpoint_export import export
+    from ._errors import CheckpointError
+
+    try:
+        written = export(path, to, output)
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {written} ({os.path.getsize(written)} bytes)")
 
 
 @cli.command("bench-comm")

@@ -29,7 +29,11 @@ Older checkpoints still load: a *file* (the consolidated checkpoint earlier vers
 adapter wrote at stage 0, full tensors) goes through Lightning's ``CheckpointIO`` and is cut into
 this rank's shards (:func:`localize_state`, :func:`localize_optimizer`; local slicing, no
 communication); a directory written by Lightning's ``ModelParallelStrategy`` (earlier versions
-of the adapter at stages 1-3: it holds ``meta.pt``) goes through that strategy's own loader.
+of the adapter at stages 1-3: it holds ``meta.pt``) is read as that strategy reads it, except
+that nothing is unpickled (:func:`load_lightning_directory`: DCP's index through the allow-listed
+reader, its other entries and ``meta.pt`` with ``torch.load(weights_only=True)``), so a crafted
+directory cannot run code. A failed save raises ``polyparallel.CheckpointError`` on every rank
+(Lightning's ``ModelCheckpoint`` sees an ordinary exception; nothing is published).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import polyparallel as pp
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["CheckpointMixin", "is_tensor_parallel", "localize_state", "localize_optimizer"]
+__all__ = ["CheckpointMixin", "is_tensor_parallel", "load_lightning_directory", "localize_state", "localize_optimizer"]
 
 #: What Lightning's checkpoint dictionary holds that the polyparallel checkpoint stores itself.
 _TENSOR_STATE = ("state_dict", "optimizer_states")
@@ -133,6 +137,38 @@ def resumable_loader_class() -> type:
 
     ResumableLoader.__module__ = __name__
     return ResumableLoader
+
+
+def load_lightning_directory(strategy: Any, path: str, weights_only: bool | None) -> dict[str, Any]:
+    """A directory in Lightning's own ``ModelParallelStrategy`` format (DCP shards + ``meta.pt``:
+    what earlier versions of the adapter wrote at stages 1-3), restored into ``strategy.model``
+    and its optimizers as Lightning's own loader does, but without unpickling anything: DCP's
+    ``.metadata`` is read with the allow-listed reader (a crafted index is refused before
+    anything is read), its non-tensor entries with ``torch.load(weights_only=True)`` first, and
+    ``meta.pt`` with ``weights_only=True`` unless the caller passed ``weights_only=False``.
+    Returns the rest of Lightning's checkpoint dictionary (``meta.pt``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from polyparallel_torch.checkpoint_files import read_dcp_metadata, safe_load_planner, safe_reader
+
+    read_dcp_metadata(path, allow_bytes=True)  # every rank refuses a crafted index alike, before any collective
+    module = strategy.model
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp.load(module_state, storage_reader=safe_reader(path, allow_bytes=True), planner=safe_load_planner())
+    module.load_state_dict(module_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    for idx, optimizer in enumerate(_plain(o) for o in strategy.optimizers):
+        key = f"optimizer_{idx}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optim_state, storage_reader=safe_reader(path, allow_bytes=True), planner=safe_load_planner())
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return torch.load(os.path.join(path, _LIGHTNING_METADATA), weights_only=weights_only is not False)
 
 
 def _plain(optimizer: Any) -> Any:
