@@ -441,6 +441,14 @@ class Strategy:
                 raise TypeError(f"Strategy.load(strict=) takes True or False. Received: {strict!r}.")
             if state.get("model") is None:
                 raise TypeError("Strategy.load(strict=False / keys=) selects part of a model to load: pass model=.")
+            if keys is not None and not callable(keys):
+                patterns = [keys] if isinstance(keys, str) else keys
+                if not isinstance(patterns, (list, tuple)) or not patterns or not all(
+                        isinstance(p, str) for p in patterns):
+                    raise TypeError("Strategy.load(keys=) takes glob patterns over the model's state-dict names (a "
+                                    "str or a list of str, e.g. ['backbone.*']) or a predicate name -> bool. "
+                                    f"Received: {keys!r}.")
+                keys = list(patterns)
             options = {"strict": strict, "keys": keys}
         metadata = _checkpoints.read_marker(path)
         session = self.session()

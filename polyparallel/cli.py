@@ -332,7 +332,7 @@ def checkpoint_export(path: str, to: str, output: str | None) -> None:
     from ._errors import CheckpointError
 
     try:
-        written = export(path, to, output)
+        written = export(path, to, output, plugin_manager=get_plugin_manager())
     except CheckpointError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"wrote {written} ({os.path.getsize(written)} bytes)")

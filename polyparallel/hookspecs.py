@@ -348,5 +348,9 @@ def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str,
     The core has verified the files already (sizes and SHA-256). Answer only for checkpoints of
     your runtime (``metadata["runtime"]``).
 
+    :param path: the committed checkpoint directory (absolute).
+    :param metadata: its commit marker's metadata (:func:`polyparallel._checkpoints.read_marker`).
+    :param to: ``"torch"`` or ``"safetensors"``.
+    :param output: the file to write (absolute; write it whole or not at all: a temporary name, then a rename).
     :return: the path written, or ``None`` if this plugin does not export this runtime's checkpoints.
     """

@@ -186,6 +186,17 @@ def test_round_trips_across_topologies_and_exact_resumption(run, tmp_path):
     strategy.load(f"{tmp}/tp", model=plain, optimizer=plain_opt)  # the documented one-liner
     _assert_same(plain.state_dict(), tp["params"], 1e-6)
     _assert_same(_full_optim(plain, plain_opt), tp["optim"], 1e-6)
+    # ... and as one consolidated file that plain torch.load reads (checkpoint export).
+    from click.testing import CliRunner
+
+    from polyparallel import cli as cli_module
+
+    exported = CliRunner().invoke(cli_module.cli, ["checkpoint", "export", f"{tmp}/tp", "--to", "torch"])
+    assert exported.exit_code == 0, exported.output
+    consolidated = torch.load(f"{tmp}/tp.pt", weights_only=True)
+    _assert_same(consolidated["model"], tp["params"], 0)
+    _assert_same(consolidated["optimizer"], tp["optim"], 0)
+    assert consolidated["extras"]["note"] == "tp"
 
     # pipeline=2 x data=2 -> data=2: every stage's parameters and optimizer state, once.
     whole = {k: v for r in written for k, v in r["stage"]["params"].items()}
