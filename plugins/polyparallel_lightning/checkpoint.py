@@ -34,6 +34,12 @@ that nothing is unpickled (:func:`load_lightning_directory`: DCP's index through
 reader, its other entries and ``meta.pt`` with ``torch.load(weights_only=True)``), so a crafted
 directory cannot run code. A failed save raises ``polyparallel.CheckpointError`` on every rank
 (Lightning's ``ModelCheckpoint`` sees an ordinary exception; nothing is published).
+
+Asynchronous saves: with Lightning's own switch, ``Trainer(plugins=[AsyncCheckpointIO()])``, each
+save goes through ``strategy.async_save`` (training continues while the files are written; the
+commit stays atomic). The save in flight is finished (its error raised, on every rank) before
+the next save, before ``ModelCheckpoint`` removes an older checkpoint (the new one is committed
+first), before a load, and at the strategy's teardown.
 """
 
 from __future__ import annotations
@@ -186,6 +192,26 @@ class CheckpointMixin:
     _pp: Any
     #: How the checkpoint being restored was read: "polyparallel", "file" (consolidated) or "lightning".
     _restored_from: str | None = None
+    #: The future of the asynchronous save in flight (``AsyncCheckpointIO``), if any.
+    _pending_save: Any = None
+
+    def _asynchronous(self) -> bool:
+        """Whether the Trainer asked for asynchronous saves (Lightning's ``AsyncCheckpointIO`` plugin)."""
+        io = getattr(self, "_checkpoint_io", None)
+        return any(c.__name__ == "AsyncCheckpointIO" for c in type(io).__mro__) if io is not None else False
+
+    def _finish_pending_save(self) -> None:
+        """Finish the asynchronous save in flight, raising its error (the same on every rank)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        """The save in flight is finished first, then Lightning's teardown."""
+        try:
+            self._finish_pending_save()
+        finally:
+            super().teardown()  # type: ignore[misc]
 
     # -- saving ---------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -227,7 +253,11 @@ class CheckpointMixin:
         loader = self._train_loader()
         if loader is not None:
             state["loader"] = loader  # its position, for a resume outside Lightning (Ignite, a plain loop)
-        self._pp.save(path, **state)
+        self._finish_pending_save()
+        if self._asynchronous():
+            self._pending_save = self._pp.async_save(path, **state)
+        else:
+            self._pp.save(path, **state)
 
     def _train_loader(self) -> Any:
         """The training loader ``strategy.shard_data`` made for the (last) fit, if any."""
@@ -240,7 +270,9 @@ class CheckpointMixin:
         return loader if isinstance(loader, ShardedLoader) else None
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a checkpoint (a directory, or an older file) once, after every rank is past it."""
+        """Remove a checkpoint (a directory, or an older file) once, after every rank is past it
+        (and after the save in flight, which replaces it, is committed)."""
+        self._finish_pending_save()
         self.barrier("remove_checkpoint")  # type: ignore[attr-defined]
         if self.global_rank == 0:  # type: ignore[attr-defined]
             self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
@@ -264,6 +296,7 @@ class CheckpointMixin:
         :param weights_only: Lightning's (2.6) option for ``torch.load``; used for older files
             only (a polyparallel checkpoint never unpickles objects).
         """
+        self._finish_pending_save()
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
         if os.path.isfile(path):
             self._restored_from = "file"
