@@ -1,32 +1,32 @@
-"""Portable, atomic checkpoints of the torch runtime (``Strategy.save`` / ``Strategy.load``).
+"""Portable, atomic checkpoints of the torch runtime (``Strategy.save`` / ``async_save`` / ``load``).
 
 A checkpoint is a directory: the tensors of the model, the optimizer and the extras as one
 ``torch.distributed.checkpoint`` (DCP) checkpoint, each rank's RNG states and non-tensor values
 as JSON (``ranks/``, :mod:`.checkpoint_files`), and the commit marker
-``polyparallel-checkpoint.json`` with the metadata (topology, progress, loader position,
-extras; :mod:`polyparallel._checkpoints`).
+``polyparallel-checkpoint.json`` (format version 2, :mod:`polyparallel._checkpoints`): topology,
+progress, loader position, extras, every tensor's name/shape/dtype, the save id, and the size and
+SHA-256 of every file.
 
 Saving: each rank writes the shards it holds (FSDP2 shards over ``data``, DTensor shards over
 ``tensor``, its stage of a pipeline); a tensor replicated on several ranks (a DDP replica, a
 tensor-parallel shard repeated over ``data``) is written once, by one of them (DCP's
-de-duplication of the save plans). Everything goes into ``<path>.partial-<token>``; after a
-barrier rank 0 writes the marker and renames the directory to ``path``; a last check tells every
-rank it was published. A job killed while saving leaves only the staging directory, which
-``Strategy.load`` and ``polyparallel.latest_checkpoint`` never take.
+de-duplication of the save plans). Everything goes into ``<path>.partial-<save id>``, every file
+hashed while it is written (:func:`.checkpoint_files.hashing_writer`). Before DCP writes, one
+agreement checks that every rank is at the same save and tells every rank what failed on any
+(its JSON file could not be written: a full disk); after it, the ranks gather their file records
+and rank 0 writes the marker and renames the directory to ``path``
+(:mod:`.checkpoint_commit`). A failure anywhere is the same :class:`polyparallel.CheckpointError`
+on every rank (path, rank, the operating system's error), and the staging directory is removed.
+A job killed while saving leaves only the staging directory, which ``Strategy.load`` and
+``polyparallel.latest_checkpoint`` never take. ``Strategy.async_save`` stages the tensors and
+commits in the background (:mod:`.checkpoint_async`).
 
-Loading reads into a model wrapped by any topology and sharding stage — another data size, or a
-plain module in a single process (``pp.Strategy(data=1)``) — because DCP reshards. The state is
-taken and put back with ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+Loading (:mod:`.checkpoint_load`) reads into a model wrapped by any topology and sharding stage —
+another data size, or a plain module in a single process (``pp.Strategy(data=1)``) — because DCP
+reshards. The state is taken and put back with ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict`` (the optimizer's flattened, per parameter name), so keys are the unwrapped
 module's (no ``module.`` prefix from DDP; a pipeline stage keeps the unsplit model's names).
-Before any collective every rank checks the marker, the files' sizes, DCP's index (read with an
-allow-listed unpickler), the model's keys and shapes, the optimizer's state keys both ways (a
-state the optimizer would not take is refused, not dropped; a fresh optimizer's state is created
-first even when gradients are present), and the loader's global batch (for a ``PipelineModel``,
-every stage's model and optimizer keys are gathered over the pipeline group first, so the whole
-model's are compared and every stage refuses alike). Saving likewise reads the loader's
-position on every rank before its first collective. Then the runtime's identity check (every rank at the same load of the
-same path) runs before DCP's own collectives over the default group, bounded by the timeout.
+An optimizer must be built on the model's own parameters (checked on save and load).
 """
 
 from __future__ import annotations
