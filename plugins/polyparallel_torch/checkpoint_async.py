@@ -72,12 +72,13 @@ class _State:
 _STATES: weakref.WeakKeyDictionary[Any, _State] = weakref.WeakKeyDictionary()
 
 
-def wait_in_flight(runtime: Any = None) -> str | None:
+def wait_in_flight(runtime: Any = None, consume: bool = True) -> str | None:
     """Wait for the asynchronous save in flight of ``runtime`` (default: of any runtime of this
-    process; nothing is created), if any. Returns its error when it failed and no one retrieved it
-    (the next save refuses to start with it: never silent)."""
+    process; nothing is created), if any. With ``consume`` (a save about to start) it is
+    forgotten, and its error is returned when it failed and no one retrieved it: the next save
+    refuses to start with it (never silent). Without (a load), its error stays for the next save."""
     if runtime is None:
-        found = [wait_in_flight(rt) for rt in list(_STATES)]
+        found = [wait_in_flight(rt, consume) for rt in list(_STATES)]
         return next((f for f in found if f is not None), None)
     state = _STATES.get(runtime)
     if state is None or state.future is None:
@@ -86,6 +87,8 @@ def wait_in_flight(runtime: Any = None) -> str | None:
     concurrent.futures.wait([future])
     if state.thread is not None:
         state.thread.join()
+    if not consume:
+        return None
     state.future, state.thread = None, None
     error = super(CheckpointFuture, future).exception()
     if error is None or future.retrieved:
@@ -108,7 +111,7 @@ def _group(strategy: pp.Strategy, runtime: Any) -> Any:
 
 
 def _close(runtime: Any) -> None:
-    wait_in_flight(runtime)
+    wait_in_flight(runtime, consume=False)
     state = _STATES.pop(runtime, None)
     if state is not None and state.group is not None:
         import torch.distributed as dist

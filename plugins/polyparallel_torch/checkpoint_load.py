@@ -156,7 +156,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     from .checkpoint_commit import agree, dcp_failures, fail
 
     session = strategy.session()
-    checkpoint_async.wait_in_flight()  # a save of this process in flight is finished first
+    checkpoint_async.wait_in_flight(consume=False)  # a save of this process in flight is finished first
     model, optimizer, loader = state.get("model"), state.get("optimizer"), _loader(state.get("loader"))
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:

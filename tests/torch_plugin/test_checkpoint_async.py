@@ -75,6 +75,19 @@ def _async_worker(tmp: str):
         unobserved = [type(exc).__name__, str(exc)]
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    # A load in between waits for the failed save but leaves its error to the next save.
+    if strategy.rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+    strategy.async_save(f"{tmp}/step-5", model=model)
+    try:
+        strategy.load(f"{tmp}/step-1", model=fresh)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    try:
+        strategy.save(f"{tmp}/step-6", model=model)
+        after_load = "saved"
+    except Exception as exc:
+        after_load = str(exc)
 
     # A manager of asynchronous saves keeps the newest two.
     manager = pp.CheckpointManager(strategy, f"{tmp}/managed", keep=2, asynchronous=True)
@@ -88,7 +101,7 @@ def _async_worker(tmp: str):
     last = full_state(model)
     strategy.async_save(f"{tmp}/last", model=model, optimizer=opt)
     return {"rank": strategy.rank, "at_save": at_save, "loaded": loaded, "outcome": outcome, "listing": listing,
-            "unobserved": unobserved, "kept": kept, "last": last}
+            "unobserved": unobserved, "after_load": after_load, "kept": kept, "last": last}
 
 
 @pytest.mark.multiprocess
@@ -101,10 +114,12 @@ def test_async_save_commits_after_every_write_and_fails_alike(run, tmp_path):
         assert r["outcome"][0] == "CheckpointError", r["outcome"]
         assert "failed on rank 1" in r["outcome"][1] and "File too large" in r["outcome"][1], r["outcome"]
         assert r["unobserved"][0] == "CheckpointError" and "no one retrieved its error" in r["unobserved"][1], r
+        assert "no one retrieved its error" in r["after_load"] and "step-5" in r["after_load"], r["after_load"]
         assert r["kept"] == ["step-00000002", "step-00000003"], r["kept"]
     assert results[0]["outcome"] == results[1]["outcome"]
     assert results[0]["listing"] == ["step-1"], "the failed save's staging directory stays"
-    assert not (tmp_path / "step-4").exists() and not [n for n in os.listdir(tmp_path) if ".partial-" in n]
+    assert not (tmp_path / "step-4").exists() and not (tmp_path / "step-6").exists()
+    assert not [n for n in os.listdir(tmp_path) if ".partial-" in n]
     model = _net(2)
     pp.Strategy(data=1).load(str(tmp_path / "last"), model=model)
     for name, value in results[0]["last"].items():
