@@ -48,7 +48,7 @@ from polyparallel._errors import exception_summary
 from .checkpoint_files import hashing_writer, write_rank_file
 from .runtime import get_runtime
 
-__all__ = ["load", "load_checkpoint", "save", "save_checkpoint"]
+__all__ = ["load", "load_checkpoint", "next_save_id", "save", "save_checkpoint"]
 
 _TOKEN = "polyparallel_torch.checkpoint.token"
 _COUNT = "polyparallel_torch.checkpoint.count"
@@ -163,7 +163,7 @@ def _single(session: pp.Session) -> Iterator[None]:
         yield
 
 
-def _save_id(strategy: pp.Strategy) -> str:
+def next_save_id(strategy: pp.Strategy) -> str:
     """This save's identity, the same on every rank without a collective: the session's token and
     the number of its saves (every rank saves in step; the agreement of each save checks it)."""
     session = strategy.session()
@@ -228,7 +228,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
             raise pp.CheckpointError(f"Strategy.save(loader=): this loader has no position to save ({exc}). Give "
                                      "a loader strategy.shard_data made with a batch size, or save without "
                                      "loader=.") from None
-    save_id = _save_id(strategy)
+    save_id = next_save_id(strategy)
     metadata = _checkpoints.base_metadata(strategy, session, framework, save_id)
     metadata.update(
         torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
