@@ -8,6 +8,7 @@ plugins are discovered through the ``polyparallel`` entry-point group on first u
 from __future__ import annotations
 
 from ._capabilities import Capabilities
+from ._checkpoint_manager import CheckpointManager
 from ._checkpoints import latest_checkpoint
 from ._errors import (
     CheckpointError,
@@ -35,6 +36,7 @@ __all__ = [
     "AXES",
     "Capabilities",
     "CheckpointError",
+    "CheckpointManager",
     "CollectiveError",
     "CollectiveTimeout",
     "DataPolicy",

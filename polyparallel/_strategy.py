@@ -423,17 +423,46 @@ class Strategy:
         :param framework: a name recorded in the metadata (adapters pass theirs; default the runtime).
         :param extras: any other keyword: numbers, strings, booleans, ``None``, lists/tuples/dicts
             of them, and tensors of the runtime (rank 0's values are written); other objects are
-            refused. The names ``epoch``, ``step`` and ``global_step`` are ``load``'s.
+            refused. The names ``epoch``, ``step``, ``global_step`` and ``load_report`` are ``load``'s.
 
         Each rank's RNG states (Python's ``random``, the runtime's, NumPy's if imported) are saved too.
-        Atomic: the files are written into ``<path>.partial-<token>``, which becomes ``path``
-        (with its commit marker) only after every rank finished; :meth:`load` refuses a directory
-        without the marker. The refusals happen on every rank before any collective.
+        Atomic: the files are written into ``<path>.partial-<save id>``, which becomes ``path``
+        (with its commit marker, recording the size and SHA-256 of every file) only after every
+        rank finished; :meth:`load` refuses a directory without the marker. The refusals happen on
+        every rank before any collective.
+
+        :raises CheckpointError: on every rank alike, when writing failed on any rank (a full
+            disk: the message names the path, the rank and the operating system's error). Nothing
+            is published then, the staging directory is removed, and an earlier checkpoint stays.
         """
         path, state = _checkpoints.check_save(path, state)
-        return self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state)
+        return self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state,
+                              options={"asynchronous": False})
 
-    def load(self, path: Any, **state: Any) -> dict[str, Any]:
+    def async_save(self, path: Any, **state: Any) -> Any:
+        """:meth:`save`, asynchronously (as ``torch.distributed.checkpoint.async_save``): returns
+        once the state is staged (the torch runtime copies its tensors to CPU memory), while the
+        files are written and committed in the background; training may change the model at once.
+
+        :return: a ``concurrent.futures.Future``: ``result()`` (or ``wait()``) is the published path,
+            or raises the save's :class:`CheckpointError` (the same on every rank); ``done()``.
+            The commit stays atomic: the marker and the rename happen only after every rank's
+            files are written. A following save or load waits for it; a following save whose
+            predecessor failed unobserved raises that failure instead of starting. A runtime
+            without asynchronous saves completes the save before returning (a finished future).
+        """
+        path, state = _checkpoints.check_save(path, state)
+        result = self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state,
+                                options={"asynchronous": True})
+        if isinstance(result, str):
+            import concurrent.futures
+
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(result)
+            return done
+        return result
+
+    def load(self, path: Any, *, strict: bool = True, keys: Any = None, **state: Any) -> dict[str, Any]:
         """Restore a checkpoint :meth:`save` wrote, at this strategy's topology (any data size, a
         tensor/pipeline axis or none, one process): ``model``, ``optimizer`` and ``loader`` are
         restored in place, as are this rank's RNG states.
@@ -444,25 +473,55 @@ class Strategy:
             asks for exact resumption: its next pass continues the saved epoch after the batches
             already consumed, so the rest of the epoch is seen exactly once in the saved run's
             order, also at another data size with the same global batch.
+        :param strict: ``False`` loads only the model's parameters and buffers the checkpoint
+            holds with the same shape (fine-tuning: a backbone into a model with a new head); the
+            rest keeps its values. Never the default: a mismatch is otherwise refused.
+        :param keys: glob patterns over the model's state-dict names (``["backbone.*"]``) or a
+            predicate: load only those (each must be in the checkpoint unless ``strict=False``).
+            With ``strict=False`` or ``keys``, the model only (no optimizer or loader), and the
+            result holds ``load_report``: ``loaded``, ``missing``, ``unexpected``, ``mismatched``
+            (name -> both shapes) and ``excluded`` (left out by ``keys``).
         :return: ``{"epoch": e, "step": k, "global_step": g, **extras}``: continue with epoch
             ``e``, of which ``k`` batches were consumed (``k == 0`` when the saved epoch was
             complete: ``e`` is then the next one); ``g`` batches were consumed since the loader
             was made. The three are ``None`` when the checkpoint was saved without ``loader=``.
             Extras come back as saved (tensors as the runtime's tensors).
         :raises CheckpointError: on every rank, before any collective: the checkpoint is not
-            committed (half-written), truncated or corrupt, written by another runtime, holds
-            another model (the message names the keys and shapes), or the loader's global batch,
-            data set length, seed or shuffling differ from the saved ones.
+            committed (half-written), truncated or corrupt (a file whose SHA-256 differs from the
+            one recorded when it was written: flipped bytes, a file of another checkpoint; the
+            message names it), written by another runtime, holds another model (the message names
+            the keys and shapes), or the loader's global batch, data set length, seed or shuffling
+            differ from the saved ones.
         :raises FileNotFoundError: there is no directory at ``path``.
         """
         path, state = _checkpoints.check_load(path, state)
+        options: dict[str, Any] = {}
+        if strict is not True or keys is not None:
+            if not isinstance(strict, bool):
+                raise TypeError(f"Strategy.load(strict=) takes True or False. Received: {strict!r}.")
+            if state.get("model") is None:
+                raise TypeError("Strategy.load(strict=False / keys=) selects part of a model to load: pass model=.")
+            if keys is not None and not callable(keys):
+                patterns = [keys] if isinstance(keys, str) else keys
+                if not isinstance(patterns, (list, tuple)) or not patterns or not all(
+                        isinstance(p, str) for p in patterns):
+                    raise TypeError("Strategy.load(keys=) takes glob patterns over the model's state-dict names (a "
+                                    "str or a list of str, e.g. ['backbone.*']) or a predicate name -> bool. "
+                                    f"Received: {keys!r}.")
+                keys = list(patterns)
+            options = {"strict": strict, "keys": keys}
         metadata = _checkpoints.read_marker(path)
         session = self.session()
         if metadata.get("runtime") != session.runtime:
             raise CheckpointError(f"Strategy.load: {path!r} was written by the {metadata.get('runtime')!r} runtime; "
                                   f"this strategy runs on {session.runtime!r}. Load it with "
                                   f"Strategy(runtime={metadata.get('runtime')!r}).")
-        result = self._dispatch("load_checkpoint", state.get("model", state), path=path, state=state)
+        result = self._dispatch("load_checkpoint", state.get("model", state), path=path, state=state,
+                                options=options)
+        if options and _checkpoints.LOAD_REPORT not in result:
+            # A runtime that does not know partial loads loaded everything or refused: say which.
+            raise CheckpointError(f"Strategy.load(strict=False / keys=): the {session.runtime!r} runtime does not "
+                                  f"load part of a model; it loaded {path!r} whole. Load it without strict=/keys=.")
         return dict(result)
 
     def adapt(self, name: str, **kwargs: Any) -> Any:

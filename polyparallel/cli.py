@@ -316,23 +316,46 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
 
 @cli.group()
 def checkpoint() -> None:
-    """Look into checkpoints written by Strategy.save."""
+    """Look into (inspect) and consolidate (export) checkpoints written by Strategy.save."""
 
 
 @checkpoint.command("inspect")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 @click.option("--no-tensors", is_flag=True, help="do not list the tensors")
-def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool) -> None:
+@click.option("--no-verify", is_flag=True, help="check the files' sizes only, not their SHA-256 (reads nothing)")
+def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool, no_verify: bool) -> None:
     """What the checkpoint PATH holds (topology written at, progress, tensors and shapes), or
-    the checkpoints of the folder PATH. Exits 1 for a checkpoint that is not committed or whose
-    files do not match."""
+    the checkpoints of the folder PATH. Verifies every file against the size and SHA-256 recorded
+    when it was written. Exits 1 for a checkpoint that is not committed (a staging directory
+    included) or whose files do not match."""
     from ._checkpoint_info import describe, render
 
-    info = describe(path, tensors=not no_tensors)
+    info = describe(path, tensors=not no_tensors, verify=not no_verify)
     click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
     if info["kind"] == "uncommitted" or "problem" in info:
         sys.exit(1)
+
+
+@checkpoint.command("export")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors"]), required=True,
+              help="torch: model, optimizer and extras in one torch.load(weights_only=True) file; "
+                   "safetensors: the model's tensors")
+@click.option("-o", "--output", default=None, help="the file to write (default: PATH.pt / PATH.safetensors)")
+def checkpoint_export(path: str, to: str, output: str | None) -> None:
+    """Write the committed checkpoint PATH, written at any topology, as one consolidated file that
+    loads without polyparallel (after verifying every file's SHA-256)."""
+    import os
+
+    from ._checkpoint_export import export
+    from ._errors import CheckpointError
+
+    try:
+        written = export(path, to, output, plugin_manager=get_plugin_manager())
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {written} ({os.path.getsize(written)} bytes)")
 
 
 @cli.command("bench-comm")

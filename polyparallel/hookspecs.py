@@ -304,7 +304,8 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
 
 
 @hookspec(firstresult=True)
-def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any]) -> Any:
+def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
     """Write one training state as a checkpoint directory (``Strategy.save``). Stops at first non-None result.
 
     Every rank calls it with the same ``path``. The checkpoint must be portable: loadable at any
@@ -325,13 +326,19 @@ def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str
         default the runtime) and the user's extras (name -> numbers, strings, booleans, ``None``,
         lists/dicts of them, or tensors/arrays of the runtime; refuse any other object).
         Save the runtime's RNG states per rank as well.
-    :return: the published path (a ``str``), or ``None`` if this plugin does not own the state.
+    :param options: ``{"asynchronous": bool}`` (``Strategy.async_save``: return a
+        ``concurrent.futures.Future`` of the published path once the state is staged, and commit
+        in the background). An implementation that does not declare ``options`` (pluggy passes
+        only the arguments an implementation names) saves synchronously; the core then returns a
+        finished future.
+    :return: the published path (a ``str``) or, asynchronously, a future of it; or ``None`` if
+        this plugin does not own the state.
     """
 
 
 @hookspec(firstresult=True)
 def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     """Restore a checkpoint written by ``polyparallel_save_checkpoint`` (``Strategy.load``). Stops at first non-None result.
 
     Restores ``state``'s objects in place, resharding to this strategy's topology, and this
@@ -346,8 +353,31 @@ def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str
     :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param path: the committed checkpoint directory (absolute).
     :param state: the objects to restore in place: ``model``, ``optimizer``, ``loader``.
+    :param options: empty, or a partial load of the model asked explicitly: ``{"strict": bool,
+        "keys": glob patterns | predicate | None}``; answer it with the result's ``load_report``
+        (``loaded``, ``missing``, ``unexpected``, ``mismatched``, ``excluded``), or refuse it
+        (a ``CheckpointError``) before loading anything. Never load part of a model otherwise.
     :return: ``{"epoch": int | None, "step": int | None, "global_step": int | None, **extras}``
         (progress of the saved loader: the epoch to continue, the batches of it already consumed,
         the batches consumed since the loader was made; ``None`` when saved without ``loader=``),
         or ``None`` if this plugin does not own the state.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str, output: str) -> str | None:
+    """Write the committed checkpoint ``path`` as one consolidated file (``polyparallel checkpoint
+    export``), loadable without polyparallel. Stops at first non-None result.
+
+    Runs in one process, without a strategy: gather every shard (whatever topology wrote it) and
+    write ``output`` in the format ``to`` (``"torch"``: a ``torch.load(weights_only=True)``-able
+    dict; ``"safetensors"``: the model's tensors, :func:`polyparallel._checkpoint_export.write_safetensors`).
+    The core has verified the files already (sizes and SHA-256), and asks only the plugins that
+    serve the runtime that wrote the checkpoint (``metadata["runtime"]``).
+
+    :param path: the committed checkpoint directory (absolute).
+    :param metadata: its commit marker's metadata (:func:`polyparallel._checkpoints.read_marker`).
+    :param to: ``"torch"`` or ``"safetensors"``.
+    :param output: the file to write (absolute; write it whole or not at all: a temporary name, then a rename).
+    :return: the path written, or ``None`` if this plugin does not export this runtime's checkpoints.
     """

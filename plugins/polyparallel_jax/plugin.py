@@ -249,12 +249,17 @@ def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, pat
 
 @pp.hookimpl
 def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     """Restore a JAX checkpoint into ``state``'s objects, resharded to this strategy's mesh;
-    only on the JAX runtime."""
+    only on the JAX runtime. A partial load (``strict=False`` / ``keys=``) is refused: the JAX
+    runtime restores whole models only."""
     objects = _checkpoint_objects(session, state)
     if objects is None:
         return None
+    if options:
+        raise pp.CheckpointError("Strategy.load(strict=False / keys=): the JAX runtime loads whole models only; "
+                                 "nothing was loaded. Load it whole, or copy the arrays you need from "
+                                 "polyparallel_jax.checkpoint.restore(path, {name: target}).")
     from . import saving
     from .model import Model
 

@@ -141,18 +141,26 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 
 @hookimpl
-def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
     from .checkpoint import save
 
-    return save(strategy, path, state)
+    return save(strategy, path, state, options)
 
 
 @hookimpl
 def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     from .checkpoint import load
 
-    return load(strategy, path, state)
+    return load(strategy, path, state, options)
+
+
+@hookimpl
+def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str, output: str) -> str | None:
+    from .checkpoint_export import export
+
+    return export(path, metadata, to, output)
 
 
 @hookimpl

@@ -172,7 +172,8 @@ def test_plugins_shows_a_plugin_that_failed_to_load(python, tmp_path):
 def test_plugins_refuses_an_unknown_hook(python):
     result = run_cli(python, "plugins", "--hook", "shard_dat")
     assert result.returncode == 1
-    assert "Error: --hook 'shard_dat' is not a polyparallel hook. Hooks: adapter_bridge, capabilities, launch" in result.stderr
+    assert ("Error: --hook 'shard_dat' is not a polyparallel hook. Hooks: adapter_bridge, capabilities, export_checkpoint, "
+            "launch") in result.stderr
 
 
 def test_plugins_with_autoload_disabled(python):

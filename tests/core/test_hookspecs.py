@@ -176,6 +176,14 @@ class Recorder:
         self.calls.append(("polyparallel_load_checkpoint", {"subject": state["model"], "path": path, "state": state}))
         return {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
 
+    @pp.hookimpl
+    def polyparallel_export_checkpoint(self, path, metadata, to, output):
+        if metadata.get("runtime") != "recorded-runtime":
+            return None
+        self.calls.append(("polyparallel_export_checkpoint", {"path": path, "to": to, "output": output}))
+        Path(output).write_bytes(b"exported")
+        return output
+
 
 #: (strategy on a manager holding the recorder, the recorder, run the CLI on that manager, a temporary folder)
 Case = Callable[[pp.Strategy, Recorder, Callable[..., Any], Path], None]
@@ -256,6 +264,9 @@ def _save_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[...,
     (seen,) = rec.seen("polyparallel_save_checkpoint")
     assert seen["path"] == str(tmp / "ckpt") and seen["state"] == {"model": subject, "lr": 0.1}  # None dropped
     assert seen["session"] is strategy.session()
+    # An implementation without options= saves synchronously: async_save returns a finished future.
+    future = strategy.async_save(tmp / "ckpt", model=subject)
+    assert future.done() and future.result() == str(tmp / "ckpt") + "!"
 
 
 def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
@@ -268,6 +279,17 @@ def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[...,
     assert strategy.load(path, model=subject) == {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
     (seen,) = rec.seen("polyparallel_load_checkpoint")
     assert seen["path"] == str(path) and seen["state"] == {"model": subject}
+
+
+def _export_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    path = tmp / "ckpt"
+    path.mkdir()
+    _checkpoints.write_marker(str(path), _checkpoints.base_metadata(strategy, strategy.session(), None))
+    result = invoke("checkpoint", "export", str(path), "--to", "safetensors", "-o", str(tmp / "out.st"))
+    assert result.exit_code == 0, result.output
+    assert rec.seen("polyparallel_export_checkpoint") == [{"path": str(path), "to": "safetensors",
+                                                            "output": str(tmp / "out.st")}]
+    assert (tmp / "out.st").read_bytes() == b"exported" and "wrote" in result.output
 
 
 def _operation(name: str, call: Callable[[pp.Strategy, Subject], Any], **expected: Any) -> Case:
@@ -303,6 +325,7 @@ CASES: dict[str, Case] = {
     "polyparallel_sync_states": _operation("sync_states", lambda s, x: s.sync_states(x)),
     "polyparallel_save_checkpoint": _save_checkpoint,
     "polyparallel_load_checkpoint": _load_checkpoint,
+    "polyparallel_export_checkpoint": _export_checkpoint,
 }
 
 
