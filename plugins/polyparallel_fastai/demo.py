@@ -58,9 +58,10 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
             if self.training:
                 step_times.append(time.perf_counter() - self.start)
                 n = len(self.yb[0])
-                epoch_loss[0] += float(self.loss) * n
+                loss = float(self.loss.detach())  # the value, without torch's warning about a tensor that needs grad
+                epoch_loss[0] += loss * n
                 epoch_loss[1] += n
-                step_sums.append(float(self.loss) * n)
+                step_sums.append(loss * n)
                 step_counts.append(n)
 
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=functools.partial(SGD, mom=p.momentum),
