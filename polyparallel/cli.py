@@ -52,7 +52,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
 @click.option("--model", default=None, metavar="MODULE:FACTORY",
               help="advise a topology for this model: estimate memory, communication and step time of every "
-                   "topology of --world ranks the installed runtimes accept (README: Choosing a topology)")
+                   "topology of --world ranks the installed runtimes accept (docs/operations/plan.md)")
 @click.option("--seq-len", type=int, default=None, help="with --model: sequence length handed to the model's inputs")
 @click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam", show_default=True,
               help="with --model: optimizer whose states are estimated (adam: 2 per parameter, momentum: 1, sgd: 0)")
