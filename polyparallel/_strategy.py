@@ -27,7 +27,9 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 class Strategy:
     """How to parallelise: a :class:`Topology` plus policies, immutable and picklable.
 
-    :param data, tensor, pipeline: axis sizes; one may be ``-1`` (inferred from the world size).
+    :param data: the size of the data axis; one axis may be ``-1`` (inferred from the world size).
+    :param tensor: the size of the tensor axis.
+    :param pipeline: the size of the pipeline axis.
     :param topology: a :class:`Topology` instead of the three sizes.
     :param timeout: seconds every collective may wait before failing with an error that names
         the operation, axis and rank.
@@ -50,8 +52,11 @@ class Strategy:
     :param accumulate: micro-batches per optimizer step (shortcut for
         ``grad_policy=GradPolicy(accumulate=)``): the global batch ``batch_size`` is ``micro-batch
         x accumulate x data`` in every framework, and gradients are reduced once per step.
-    :param data_policy, grad_policy, metric_policy, state_policy, shard_policy: see
-        :mod:`polyparallel` policies.
+    :param data_policy: a :class:`DataPolicy` (how ``shard_data`` splits data).
+    :param grad_policy: a :class:`GradPolicy` (how ``sync_grads`` reduces).
+    :param metric_policy: a :class:`MetricPolicy` (how ``reduce_metrics`` reduces plain values).
+    :param state_policy: a :class:`StatePolicy` (what ``sync_states`` does per state).
+    :param shard_policy: a :class:`ShardPolicy` (the sharding stage).
     :param plugin_manager: the plugin manager operations dispatch through (default: the process's
         default manager). Not part of the value: it is neither compared nor pickled.
 
@@ -469,7 +474,9 @@ class Strategy:
 
         :param path: a committed checkpoint directory (:func:`polyparallel.latest_checkpoint`
             picks the newest in a folder).
-        :param model, optimizer, loader: the objects to restore (each optional). A ``loader``
+        :param model: the model to restore (optional).
+        :param optimizer: its optimizer (optional).
+        :param loader: a loader ``shard_data`` returned (optional). A ``loader``
             asks for exact resumption: its next pass continues the saved epoch after the batches
             already consumed, so the rest of the epoch is seen exactly once in the saved run's
             order, also at another data size with the same global batch.

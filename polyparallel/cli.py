@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -13,7 +14,7 @@ from . import hookspecs
 from ._advisor import OPTIMIZER_STATES
 from ._advisor_cli import bench_comm as _bench_comm
 from ._advisor_cli import plan_model
-from ._errors import PolyparallelError, exception_summary
+from ._errors import PolyparallelError
 from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
@@ -56,7 +57,7 @@ def cli() -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
 @click.option("--model", default=None, metavar="MODULE:FACTORY",
               help="advise a topology for this model: estimate memory, communication and step time of every "
-                   "topology of --world ranks the installed runtimes accept (README: Choosing a topology)")
+                   "topology of --world ranks the installed runtimes accept (docs/operations/plan.md)")
 @click.option("--seq-len", type=int, default=None, help="with --model: sequence length handed to the model's inputs")
 @click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam", show_default=True,
               help="with --model: optimizer whose states are estimated (adam: 2 per parameter, momentum: 1, sgd: 0)")
@@ -276,9 +277,17 @@ def _split_endpoint(endpoint: str) -> tuple[str | None, int | None]:
 @click.option("--nprocs", type=int, default=2, show_default=True, help="processes per framework")
 @_axis_options
 @click.option("--only", multiple=True, help="run only these demo entries (repeatable)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON rows")
-def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> None:
-    """Train the demo problem with one Strategy through every installed plugin, side by side."""
+@click.option("--json", "as_json", is_flag=True, help="print JSON rows (with each entry's per-step losses)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="demo-output", show_default=True,
+              help="folder for the table (results.txt), the rows (results.json), the loss curves (loss-curves.png) "
+                   "and the frameworks' own output (demo-warnings.log)")
+@click.option("--show-output", is_flag=True, help="let the frameworks print their warnings and banners on the terminal "
+                                                  "instead of logging them to demo-warnings.log")
+def demo(nprocs: int, only: tuple[str, ...], as_json: bool, out_dir: str, show_output: bool, **sizes: int) -> None:
+    """Train the demo problem with one Strategy through every installed plugin, side by side: a
+    progress line per framework, the results table, and every framework's loss curve on one plot."""
+    from . import _demo_report
+
     entries: dict[str, Any] = {}
     get_plugin_manager().call("polyparallel_register_demos", register=lambda name, run: entries.__setitem__(name, run))
     if only:
@@ -293,24 +302,30 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
         strategy.topology.resolve(nprocs)
     except PolyparallelError as exc:
         raise click.ClickException(str(exc)) from None
-    rows, failed = [], False
-    for name, run in entries.items():
-        click.echo(f"running {name} on {nprocs} processes ...", err=True)
-        try:
-            row = dict(run(strategy, nprocs))
-        except Exception as exc:  # one framework failing must not hide the others' results
-            failed = True
-            row = {"framework": name, "topology": repr(strategy.topology.resolve(nprocs)), "error": exception_summary(exc, first_line=False)}
-        rows.append(row)
-    if as_json:
+    out = Path(out_dir)
+    reports = _demo_report.run_entries(entries, strategy, nprocs, out, show_output=show_output)
+    rows = [r.row for r in reports]
+
+    def fmt(v: Any, spec: str) -> str:
+        return format(v, spec) if isinstance(v, (int, float)) else str(v)
+    text = table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
+        [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
+         fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows])
+    _demo_report.write_results(rows, text, out)
+    title = f"polyparallel demo: one Strategy, {strategy.topology.resolve(nprocs)!r} on {nprocs} processes"
+    after = [_demo_report.draw_loss_curves(rows, out / _demo_report.PLOT_NAME, title),
+             f"table and rows: {out / _demo_report.TABLE_NAME}, {out / _demo_report.RESULTS_NAME}",
+             *_demo_report.summary_lines(reports, out, show_output)]
+    if as_json:  # stdout holds the JSON alone
+        for line in after:
+            click.echo(line, err=True)
         click.echo(json.dumps(rows, indent=2))
     else:
-        def fmt(v: Any, spec: str) -> str:
-            return format(v, spec) if isinstance(v, (int, float)) else str(v)
-        click.echo(table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
-            [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
-             fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows]))
-    if failed:
+        click.echo(text)
+        click.echo()
+        for line in after:
+            click.echo(line)
+    if any(r.failed for r in reports):
         sys.exit(1)
 
 

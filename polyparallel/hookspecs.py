@@ -79,7 +79,11 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
 
     :param register: call ``register(name, run)`` where ``run(strategy, nprocs)`` trains the demo
         problem in ``nprocs`` processes and returns a dict with the keys ``framework``,
-        ``topology``, ``final_loss``, ``accuracy`` and ``step_time_ms``.
+        ``topology``, ``final_loss``, ``accuracy`` and ``step_time_ms``, and optionally ``losses``
+        (the global training loss of every step, in order) with ``epochs`` (how many epochs they
+        span), which the demo draws in its ``loss-curves.png``. While ``run`` runs, the process's
+        standard output and error go to the demo's log (``demo-warnings.log``): print nothing the
+        user must see; raise instead.
     :return: ignored.
     """
 

@@ -29,6 +29,7 @@ def run(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:
     spec = json.dumps({"sizes": strategy.topology.sizes, "seed": strategy.seed, "timeout": strategy.timeout})
     done = subprocess.run([sys.executable, "-m", "polyparallel_jax.demo_process", spec], env=env, capture_output=True,
                           text=True, timeout=max(300.0, 4 * strategy.timeout))
+    sys.stderr.write(done.stderr)  # JAX's own warnings: `polyparallel demo` logs them with the other frameworks'
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the JAX demo failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
@@ -58,5 +59,7 @@ def train(strategy: pp.Strategy, epochs: int = 8, batch_size: int = 64) -> dict[
     result = model.evaluate(x[split:], y[split:], batch_size=batch_size)
     from .runtime import runtime_for
 
+    # history holds every epoch trained, the compiling one first: the loss curve, one point per epoch.
     return {"framework": "jax (flax nnx)", "topology": repr(runtime_for(strategy).topology),
-            "final_loss": history["loss"][-1], "accuracy": result["accuracy"], "step_time_ms": step_ms}
+            "final_loss": history["loss"][-1], "accuracy": result["accuracy"], "step_time_ms": step_ms,
+            "losses": [float(v) for v in history["loss"]], "epochs": len(history["loss"])}

@@ -218,9 +218,11 @@ def test_the_console_script(python):
 
 
 @pytest.fixture
-def invoke(manager, monkeypatch):
-    """Run the CLI in this process against ``manager`` (fake plugins only)."""
+def invoke(manager, monkeypatch, tmp_path):
+    """Run the CLI in this process against ``manager`` (fake plugins only), in a temporary folder
+    (the demo writes its outputs into ./demo-output)."""
     monkeypatch.setattr(cli_module, "get_plugin_manager", lambda: manager)
+    monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     return lambda *args: runner.invoke(cli_module.cli, list(args), prog_name="polyparallel")
 
@@ -326,7 +328,8 @@ def test_demo_runs_every_entry_with_one_strategy(manager, invoke):
     manager.register(demos, name="demos")
     result = invoke("demo", "--nprocs", "4", "--tensor", "2", "--only", "alpha", "--only", "beta", "--json")
     assert result.exit_code == 0, result.output
-    assert "running alpha on 4 processes" in result.stderr  # progress goes to stderr, data to stdout
+    assert "[1/2] alpha: training on 4 processes ..." in result.stderr  # progress goes to stderr, data to stdout
+    assert "[2/2] beta: training on 4 processes: done in " in result.stderr
     rows = json.loads(result.stdout)
     assert [r["framework"] for r in rows] == ["alpha", "beta"]
     assert rows[0]["topology"] == "Topology(pipeline=1, data=2, tensor=2)"
