@@ -405,6 +405,24 @@ def test_every_clause_has_a_flaw_that_fails_it():
     assert set(FLAWS.values()) == set("abcdefg")
 
 
+# -- the fail-fast bound follows the machine it runs on ------------------------------------------------
+class _SlowToSetUp(RecordsDriver):
+    """A loaded machine: slow to set up before the collective."""
+
+    def skip_collective(self, strategy: pp.Strategy, skip: bool) -> None:
+        time.sleep(11.0)  # building the model and the loaders, before the collective
+        super().skip_collective(strategy, skip)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_fail_fast_bound_is_measured_where_it_runs_not_a_constant():
+    """A bounded collective behind 11 s of set-up passes clause (f): the old kit's fixed bound
+    (timeout + 10 s from the start of the call) failed it. An unbounded one still fails, within
+    the bound measured in the process (``test_a_broken_runtime_fails_exactly_its_clause[unbounded]``)."""
+    kit.check_fails_fast(_SlowToSetUp(), pp.Strategy(data=2, timeout=2.0, plugin_manager=records_manager(None)), 2)
+
+
 # -- clauses with nothing to check are reported, never passed ------------------------------------------
 def _records(topology: pp.Topology, shards: Callable[[int], list[int]]) -> list[dict[str, Any]]:
     return [{"rank": r, "coords": topology.coords(r), "roles": sorted(topology.roles(r)),
