@@ -41,7 +41,7 @@ import os
 import weakref
 from collections.abc import Iterator
 from numbers import Number
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -64,8 +64,10 @@ class DataGroupModel(ComputationModel):
     name = "polyparallel-data-group"
     available_backends = ("gloo", "nccl")
 
-    def __init__(self, runtime: Any, operation: str = "ignite metric reduction"):
+    def __init__(self, runtime: Any, operation: str = "ignite metric reduction", mean: bool = False):
         super().__init__()
+        #: A sum (``all_reduce``'s default) is divided by the group's size: its mean.
+        self.mean = mean
         self._rt = runtime
         self.operation = operation
         self._size = runtime.topology.size("data")
@@ -130,7 +132,8 @@ class DataGroupModel(ComputationModel):
     def _do_all_reduce(self, tensor: torch.Tensor, op: str = "SUM", group: Any | None = None) -> torch.Tensor:
         group = self._explicit_group(group)
         if group is None and op in _OPS:
-            return self._rt.all_reduce(tensor, _OPS[op], self.operation, "data")
+            out = self._rt.all_reduce(tensor, _OPS[op], self.operation, "data")
+            return out / self._size if self.mean and op == "SUM" else out
         reduce_op = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN,
                      "PRODUCT": dist.ReduceOp.PRODUCT, "AND": dist.ReduceOp.BAND, "OR": dist.ReduceOp.BOR}
         if op not in reduce_op:
@@ -204,7 +207,7 @@ class DataGroupModel(ComputationModel):
             tensor = self._setup_placeholder(tensor, self.device(), self.get_rank() == src)
         if isinstance(tensor, Number) and not isinstance(tensor, bool):
             device = self.device()
-            value = (torch.tensor([float(tensor)], dtype=torch.float64, device=device) if self.get_rank() == src
+            value = (torch.tensor([float(cast(float, tensor))], dtype=torch.float64, device=device) if self.get_rank() == src
                      else torch.empty(1, dtype=torch.float64, device=device))
             return self._do_broadcast(value, src).item()
         return super().broadcast(tensor, src=src)
@@ -261,10 +264,10 @@ class _Registration:
         self.runtime = runtime
         self.models: dict[str, DataGroupModel] = {}  # by operation, for this runtime
 
-    def model(self, operation: str) -> DataGroupModel:
+    def model(self, operation: str, mean: bool = False) -> DataGroupModel:
         model = self.models.get(operation)
         if model is None:
-            model = self.models[operation] = DataGroupModel(self.runtime, operation)
+            model = self.models[operation] = DataGroupModel(self.runtime, operation, mean=mean)
         return model
 
 
@@ -285,6 +288,8 @@ def _metric_method(handler: Any) -> tuple[Any, str] | None:
     name = getattr(target, "__name__", None)
     if isinstance(metric, Metric) and name in _WRAPPED_METHODS:
         return metric, name
+    if name == "_log_lr_and_loss" and type(metric).__name__ == "FastaiLRFinder":
+        return metric, name  # its loss: the data group's mean (ignite sums it over the whole world)
     return None
 
 
@@ -295,14 +300,16 @@ def _wrap(engine: Any, handler: Any, metric: Any, method: str, name: str) -> Any
     ``remove_event_handler``), so ``metric.is_attached(engine)`` and ``metric.detach(engine)`` work
     as before."""
     engine_ref = weakref.ref(engine)
-    operation = f"ignite metric {name!r} ({type(metric).__name__}.{_WRAPPED_METHODS[method]})"
+    mean = method == "_log_lr_and_loss"
+    operation = (f"ignite FastaiLRFinder's loss ({type(metric).__name__}._log_lr_and_loss)" if mean else
+                 f"ignite metric {name!r} ({type(metric).__name__}.{_WRAPPED_METHODS[method]})")
 
     def over_data_group(*args: Any, **kwargs: Any) -> Any:
         target = engine_ref()
         registration = _ENGINES.get(target) if target is not None else None
         if registration is None:  # unregistered since: ignite's own behaviour
             return handler(*args, **kwargs)
-        with _world(registration.model(operation)):
+        with _world(registration.model(operation, mean)):
             return handler(*args, **kwargs)
 
     parent = getattr(handler, "_parent", None)
