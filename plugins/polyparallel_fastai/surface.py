@@ -249,7 +249,7 @@ SURFACE = Surface(
     preamble="*works*: tested at data=2 (2 gloo processes) against a single process with the same global batch, "
              "on a validation set that does not divide evenly. *refused*: the adapter raises `TypeError` naming "
              "the entry, why and what to do instead, before any collective. Applies to everything: on ranks "
-             "without the `logger` role `fit` and `show_results` print nothing; BatchNorm trains on each rank's "
+             "without the `logger` role `fit`, `show_results` and `show_training_loop` print nothing; BatchNorm trains on each rank's "
              "share of the batch (see `tabular_learner`).",
 )
 
