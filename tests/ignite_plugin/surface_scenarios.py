@@ -394,7 +394,7 @@ def handlers_scenario(ignite: Any, workdir: str = "") -> dict[str, Any]:
 
     def early(s: _Setup) -> None:
         stop = ih.EarlyStopping(patience=1, score_function=lambda e: -e.state.metrics["loss"], trainer=s.trainer,
-                                min_delta=0.05)
+                                threshold=0.05)
         s.evaluator.add_event_handler(Events.COMPLETED, stop)
         s.trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: s.evaluator.run(s.valid))
 
