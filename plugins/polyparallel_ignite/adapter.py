@@ -37,6 +37,7 @@ from torch import nn
 import polyparallel as pp
 
 from . import metrics as _metrics
+from . import surface as _surface
 
 __all__ = ["IgniteAdapter", "full_output"]
 
@@ -207,6 +208,11 @@ class IgniteAdapter:
         """
         from ignite.engine import Events
 
+        # Before any collective: a refused step, metric or handler (polyparallel_ignite.surface);
+        # again when the run starts, for those attached after this call.
+        _surface.check_engine(engine, self.strategy)
+        if not engine.has_event_handler(_surface.check_engine, Events.STARTED):
+            engine.add_event_handler(Events.STARTED, _surface.check_engine, self.strategy)
         _metrics.register_engine(engine, self.runtime)
         # The session's end undoes it too: the runtime's groups are gone with it (weakly held).
         engine_ref = weakref.ref(engine)
@@ -225,6 +231,8 @@ class IgniteAdapter:
         from ignite.engine import Events
 
         _metrics.unregister_engine(engine)
+        if engine.has_event_handler(_surface.check_engine, Events.STARTED):
+            engine.remove_event_handler(_surface.check_engine, Events.STARTED)
         if engine.has_event_handler(_set_epoch, Events.EPOCH_STARTED):
             engine.remove_event_handler(_set_epoch, Events.EPOCH_STARTED)
         return engine
