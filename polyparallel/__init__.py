@@ -8,6 +8,7 @@ plugins are discovered through the ``polyparallel`` entry-point group on first u
 from __future__ import annotations
 
 from ._capabilities import Capabilities
+from ._checkpoint_manager import CheckpointManager
 from ._checkpoints import latest_checkpoint
 from ._errors import (
     CheckpointError,
@@ -22,9 +23,9 @@ from ._errors import (
 )
 from ._launch import launch
 from ._manager import PluginManager, get_plugin_manager, hookimpl
-from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, PrecisionPolicy, ShardPolicy, StatePolicy
 from ._session import ProcessInfo, Session, SessionScope, current_session_scope, session_scope
-from ._sharding import shard_indices, shard_length
+from ._sharding import micro_batch_size, shard_indices, shard_length
 from ._strategy import Strategy
 from ._topology import AXES, Topology
 from .hookspecs import hookspec
@@ -35,6 +36,7 @@ __all__ = [
     "AXES",
     "Capabilities",
     "CheckpointError",
+    "CheckpointManager",
     "CollectiveError",
     "CollectiveTimeout",
     "DataPolicy",
@@ -46,6 +48,7 @@ __all__ = [
     "PluginError",
     "PluginManager",
     "PolyparallelError",
+    "PrecisionPolicy",
     "ProcessInfo",
     "Session",
     "SessionScope",
@@ -61,6 +64,7 @@ __all__ = [
     "hookspec",
     "latest_checkpoint",
     "launch",
+    "micro_batch_size",
     "session_scope",
     "shard_indices",
     "shard_length",

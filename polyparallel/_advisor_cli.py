@@ -16,6 +16,7 @@ import click
 from ._advisor import OPTIMIZER_STATES, Advisor, Candidate, ModelProfile, advise, load_links, save_links
 from ._errors import PolyparallelError, exception_summary
 from ._manager import PluginManager
+from ._text import table
 from ._topology import Topology
 
 __all__ = ["plan_model", "bench_comm"]
@@ -118,7 +119,6 @@ def _mib(x: float) -> str:
 
 def _print_plan(profiles: list[tuple[ModelProfile, Advisor]], links: Any, optimizer: str, states: int, world: int,
                 batch: int, accepted: list[Candidate], refused: list[Candidate], measured: list[dict[str, Any]]) -> None:
-    from .cli import _table
 
     for profile, _ in profiles:
         s = profile.summary()
@@ -138,7 +138,7 @@ def _print_plan(profiles: list[tuple[ModelProfile, Advisor]], links: Any, optimi
                      *(_mib(m[k]) for k in ("parameters", "gradients", "optimizer", "activations", "buffers", "total")),
                      "/".join(_mib(v[k]) for k in ("data", "tensor", "pipeline"))])
     click.echo("estimated per rank (the rank holding the most), ranked by step time:")
-    click.echo(_table(header, body) if body else "  (none accepted)")
+    click.echo(table(header, body) if body else "  (none accepted)")
     if refused:
         click.echo("\nrefused:")
         for c in refused:
@@ -156,7 +156,7 @@ def _print_plan(profiles: list[tuple[ModelProfile, Advisor]], links: Any, optimi
             got = sum(entry["memory_max"].values())
             rows.append([label, f"{cand['time_s']['step'] * 1e3:.2f}", f"{entry['step_s'] * 1e3:.2f}", _mib(est),
                          _mib(got), f"{100 * (est - got) / got:+.1f}%" if got else "-", ""])
-        click.echo(_table(["topology", "est step ms", "measured step ms", "est MiB", "measured MiB", "memory error",
+        click.echo(table(["topology", "est step ms", "measured step ms", "est MiB", "measured MiB", "memory error",
                            "error"], rows))
 
 
@@ -181,10 +181,9 @@ def bench_comm(pm: PluginManager, world: int, sizes: Sequence[int], iters: int, 
     if as_json:
         click.echo(json.dumps({**result, "cache": str(path)}, indent=2))
         return
-    from .cli import _table
 
     rows = [[op, str(size), f"{entry['time_s'] * 1e6:.0f}", f"{entry['busbw'] / 1e9:.3f}"]
             for op, per_size in result["table"].items() for size, entry in per_size.items()]
-    click.echo(_table(["operation", "bytes", "time us", "bus GB/s"], rows))
+    click.echo(table(["operation", "bytes", "time us", "bus GB/s"], rows))
     click.echo(f"\ncompute: {result['flops'] / 1e9:.2f} GFLOP/s per rank (float32 matmul, every rank at once)")
     click.echo(f"saved to {path}")

@@ -9,11 +9,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ._errors import UnsupportedTopologyError
-from ._policies import SHARD_STAGES
+from ._policies import PRECISION_PRESETS, SHARD_STAGES
 from ._topology import AXES
 
 if TYPE_CHECKING:
+    from ._policies import PrecisionPolicy
     from ._topology import Topology
+
+#: What a target declares for a precision policy that is not one of the presets.
+CUSTOM_PRECISION = "custom"
 
 __all__ = ["Capabilities"]
 
@@ -53,6 +57,15 @@ class Capabilities:
         and zero=3 with pipeline > 1, before launch, giving the reason.
     :param runtimes: *adapters*: the runtimes the adapter runs on (``{"torch"}`` for Lightning);
         empty means any. ``Strategy.adapt`` refuses a strategy whose runtime is not one of them.
+    :param precisions: the :class:`~polyparallel.PrecisionPolicy` presets the target runs
+        (``{"32", "bf16-mixed"}``), plus ``"custom"`` when it maps any combination of dtypes. A
+        strategy without a precision (``Strategy(precision=None)``: the model's own dtypes) always
+        passes; one with another precision is refused before any process starts.
+    :param precision_reasons: why a precision is not run, as ``{name: reason}`` (``{"fp16-mixed":
+        "no float16 kernels on the CPU"}``), given in the refusal.
+    :param accumulation: the target implements ``Strategy(accumulate=N)`` (micro-batches of
+        ``batch_size / (data x N)``, one gradient reduction and optimizer step per N); a strategy
+        with ``accumulate > 1`` is refused before any process starts by a target that does not.
     """
 
     target: str
@@ -66,15 +79,22 @@ class Capabilities:
     runtimes: frozenset[str]
     stages: frozenset[int]
     stages_with: tuple[tuple[str, frozenset[int], str], ...]
+    precisions: frozenset[str]
+    precision_reasons: tuple[tuple[str, str], ...]
+    accumulation: bool
 
     def __init__(self, target: str, axes: Iterable[str] = ("data",), features: Iterable[str] = (), plugin: str = "",
                  excludes: Iterable[Iterable[str]] = (), imports: Iterable[str] = (), backends: Iterable[str] = (),
                  priority: int = 0, runtimes: Iterable[str] = (), stages: Iterable[int] = (0,),
-                 stages_with: Mapping[str, tuple[Iterable[int], str]] | tuple[tuple[str, frozenset[int], str], ...] | None = None):
+                 stages_with: Mapping[str, tuple[Iterable[int], str]] | tuple[tuple[str, frozenset[int], str], ...] | None = None,
+                 precisions: Iterable[str] = ("32",),
+                 precision_reasons: Mapping[str, str] | tuple[tuple[str, str], ...] | None = None,
+                 accumulation: bool = False):
         # Any collection of names is accepted; frozensets are stored (hashable, comparable to sets).
         if not isinstance(target, str) or not target:
             raise ValueError(f"Capabilities(target=) must be a non-empty string. Received: {target!r}.")
-        names = {"axes": axes, "features": features, "imports": imports, "backends": backends, "runtimes": runtimes}
+        names = {"axes": axes, "features": features, "imports": imports, "backends": backends, "runtimes": runtimes,
+                 "precisions": precisions}
         for field, value in names.items():
             object.__setattr__(self, field, _names(field, target, value))
         object.__setattr__(self, "target", target)
@@ -108,10 +128,31 @@ class Capabilities:
         unknown = sorted((self.axes | set().union(*self.excludes)) - set(AXES))
         if unknown:
             raise ValueError(f"Capabilities({target!r}) names unknown axes {unknown}; expected a subset of {AXES}.")
+        known = {*PRECISION_PRESETS, CUSTOM_PRECISION}
+        strange = sorted(self.precisions - known)
+        if strange:
+            raise ValueError(f"Capabilities({target!r}, precisions=) names {strange}; expected precision presets "
+                             f"{sorted(PRECISION_PRESETS)} or {CUSTOM_PRECISION!r}.")
+        reasons = precision_reasons.items() if isinstance(precision_reasons, Mapping) else (precision_reasons or ())
+        reasons = tuple(sorted((str(n), str(r)) for n, r in reasons))
+        if any(n not in known for n, _ in reasons):
+            raise ValueError(f"Capabilities({target!r}, precision_reasons=) names {[n for n, _ in reasons if n not in known]}; "
+                             f"expected precision presets or {CUSTOM_PRECISION!r}.")
+        object.__setattr__(self, "precision_reasons", reasons)
+        if not isinstance(accumulation, bool):
+            raise ValueError(f"Capabilities({target!r}, accumulation=) must be True or False. Received: {accumulation!r}.")
+        object.__setattr__(self, "accumulation", accumulation)
 
-    def check(self, topology: Topology, stage: int = 0) -> None:
+    def check(self, topology: Topology, stage: int = 0, precision: PrecisionPolicy | None = None,
+              accumulate: int = 1) -> None:
         """Raise :class:`UnsupportedTopologyError` when ``topology`` needs an axis not supported,
-        or sharding ``stage`` is not one of :attr:`stages`."""
+        sharding ``stage`` is not one of :attr:`stages`, ``precision`` is not one of
+        :attr:`precisions` (``None``, the model's own dtypes, always passes), or ``accumulate > 1``
+        and the target has no :attr:`accumulation`."""
+        if precision is not None:
+            self.check_precision(precision)
+        if accumulate > 1 and not self.accumulation:
+            self.check_accumulation(accumulate)
         if stage not in self.stages:
             by = f" (plugin {self.plugin!r})" if self.plugin else ""
             raise UnsupportedTopologyError(
@@ -146,6 +187,32 @@ class Capabilities:
                     "Set one of them to 1."
                 )
 
+    def check_precision(self, precision: PrecisionPolicy) -> None:
+        """Raise :class:`UnsupportedTopologyError` when the target does not run ``precision``,
+        with the target's reason when it declared one."""
+        name = precision.name or CUSTOM_PRECISION
+        if name in self.precisions:
+            return
+        by = f" (plugin {self.plugin!r})" if self.plugin else ""
+        reason = dict(self.precision_reasons).get(name)
+        runs = ", ".join(repr(p) for p in sorted(self.precisions)) or "none"
+        raise UnsupportedTopologyError(
+            f"{self.target!r}{by} cannot run precision {precision!r}" + (f": {reason}" if reason else "")
+            + f". It runs {runs}. Set Strategy(precision=) to one of them (or None: the model's own dtypes), or use a "
+            "target that runs it (`polyparallel plugins` lists each target's precisions).")
+
+    def check_accumulation(self, accumulate: int) -> None:
+        """Raise :class:`UnsupportedTopologyError` when ``accumulate > 1`` and the target does not
+        implement gradient accumulation."""
+        if accumulate <= 1 or self.accumulation:
+            return
+        by = f" (plugin {self.plugin!r})" if self.plugin else ""
+        raise UnsupportedTopologyError(
+            f"{self.target!r}{by} does not implement gradient accumulation, so it cannot run "
+            f"Strategy(accumulate={accumulate}): its micro-batches and steps would not be the ones the strategy "
+            "states. Use accumulate=1 (a larger data axis or batch instead), or a target that accumulates "
+            "(`polyparallel plugins --json` shows each target's \"accumulation\").")
+
     def missing_imports(self) -> list[str]:
         """The modules of :attr:`imports` that cannot be imported here (empty: installed).
 
@@ -162,4 +229,5 @@ class Capabilities:
                 "plugin": self.plugin, "excludes": [sorted(e) for e in self.excludes],
                 "imports": sorted(self.imports), "backends": sorted(self.backends), "priority": self.priority,
                 "runtimes": sorted(self.runtimes), "stages": sorted(self.stages),
-                "stages_with": {axis: sorted(allowed) for axis, allowed, _ in self.stages_with}}
+                "stages_with": {axis: sorted(allowed) for axis, allowed, _ in self.stages_with},
+                "precisions": sorted(self.precisions), "accumulation": self.accumulation}

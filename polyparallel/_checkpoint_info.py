@@ -1,8 +1,10 @@
 """``polyparallel checkpoint inspect PATH``: what a checkpoint (or a folder of them) holds.
 
-Framework-free: it reads the commit marker's JSON metadata (:mod:`polyparallel._checkpoints`).
-The tensors of a torch checkpoint are listed from DCP's index only when the torch plugin imports
-(its reader admits DCP's own classes only); otherwise the listing says how to get them.
+Framework-free: it reads the commit marker's JSON metadata (:mod:`polyparallel._checkpoints`)
+and nothing else: the tensors are listed from the marker's ``arrays`` (every runtime records
+them at save time since format version 2), and the files are verified against the sizes and
+SHA-256 digests the marker recorded when they were written (``--no-verify``: sizes only).
+A torch checkpoint of format version 1 lists no tensors (its marker did not record them).
 """
 
 from __future__ import annotations
@@ -11,54 +13,59 @@ import os
 from typing import Any
 
 from . import _checkpoints
+from ._checkpoint_files import problems
 from ._errors import CheckpointError
 
 __all__ = ["describe", "render"]
 
 
-def _tensors(path: str, metadata: dict[str, Any]) -> list[dict[str, Any]] | str:
+def _tensors(metadata: dict[str, Any]) -> list[dict[str, Any]] | str:
     if isinstance(metadata.get("arrays"), list):
-        # A runtime that lists its arrays in the marker (JAX/orbax): no framework needed to read it.
         return [dict(a) for a in metadata["arrays"] if isinstance(a, dict)]
-    if metadata.get("tensors") != "torch.distributed.checkpoint":
-        return f"tensors are stored by the {metadata.get('runtime')!r} runtime; not listed here"
-    try:
-        from polyparallel_torch.checkpoint_files import read_dcp_metadata
-    except ImportError:
-        return "install polyparallel[torch] to list the tensors"
-    try:
-        index = read_dcp_metadata(path).state_dict_metadata
-    except CheckpointError as exc:
-        return f"unreadable: {exc}"
-    return [{"name": k, "shape": list(v.size), "dtype": str(v.properties.dtype).replace("torch.", "")}
-            for k, v in sorted(index.items())]
+    return (f"not listed: its marker (format version {metadata.get('version')}) does not record them (format "
+            "version 2 does); Strategy.load reads it all the same")
 
 
-def describe(path: str | os.PathLike[str], tensors: bool = True) -> dict[str, Any]:
+def _verification(metadata: dict[str, Any], verify: bool) -> str:
+    if int(metadata.get("version", 1)) < 2:
+        return "sizes only (format version 1 records no content hashes)"
+    return "sizes and SHA-256 of every file" if verify else "sizes only (--no-verify)"
+
+
+def describe(path: str | os.PathLike[str], tensors: bool = True, verify: bool = True) -> dict[str, Any]:
     """``{"path", "kind": "checkpoint"|"uncommitted"|"folder", ...}``: a committed checkpoint's
-    metadata (plus ``tensors`` and a ``problem`` if its files do not match), an uncommitted one,
-    or a folder's checkpoints (``checkpoints``: name, committed, step, saved_at; ``latest``).
+    metadata (plus ``tensors``, ``verified`` and a ``problem`` if its files do not match what was
+    committed: missing, another size, another content), an uncommitted one (a staging directory,
+    even one holding a marker, or a directory without a marker), or a folder's checkpoints
+    (``checkpoints``: name, committed, step, saved_at; ``latest``).
 
+    :param verify: recompute the SHA-256 of every file (reads the whole checkpoint once).
     :raises FileNotFoundError: ``path`` does not exist.
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path!r} (no such directory).")
     own = set(os.listdir(path))
+    if _checkpoints._STAGING in os.path.basename(path):
+        held = f" (it holds a {_checkpoints.MARKER}, written before the rename that did not happen)" \
+            if _checkpoints.MARKER in own else ""
+        return {"path": path, "kind": "uncommitted",
+                "problem": f"it is the staging directory of a save that was never published{held}: the save failed "
+                           "or was killed before its final rename"}
     if _checkpoints.MARKER in own:
         try:
             metadata = _checkpoints.read_marker(path)
         except CheckpointError as exc:
             return {"path": path, "kind": "uncommitted", "problem": str(exc)}
-        out: dict[str, Any] = {"path": path, "kind": "checkpoint", **metadata}
-        try:
-            _checkpoints.verify_files(path, metadata)
-        except CheckpointError as exc:
-            out["problem"] = str(exc)
+        out: dict[str, Any] = {"path": path, "kind": "checkpoint", **metadata,
+                               "verified": _verification(metadata, verify)}
+        found = problems(path, metadata, None if verify else ())
+        if found:
+            out["problem"] = found[0] + (f" ({len(found) - 1} more file(s) at fault.)" if len(found) > 1 else "")
         if tensors:
-            out["tensors"] = _tensors(path, metadata)
+            out["tensors"] = _tensors(metadata)
         return out
-    if ".partial-" in os.path.basename(path) or own & {".metadata", "ranks"}:
+    if own & {".metadata", "ranks"}:
         return {"path": path, "kind": "uncommitted",
                 "problem": f"it has no {_checkpoints.MARKER}: its save did not finish on every rank"}
     rows = []
@@ -112,7 +119,9 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"  progress: epoch {progress['epoch']}, {progress['step']} batch(es) of it consumed, global step "
                      f"{progress['global_step']}; global batch {loader.get('global_batch')}, {loader.get('dataset_len')} "
                      f"samples, seed {loader.get('seed')}, shuffle {loader.get('shuffle')}")
-    lines.append(f"  files: {len(files)}, {_size(sum(files.values()))}")
+    lines.append(f"  files: {len(files)}, {_size(sum(files.values()))}; checked: {info.get('verified')}")
+    if info.get("id"):
+        lines.append(f"  save id: {info['id']} (format version {info.get('version')})")
     if "problem" in info:
         lines.append(f"  PROBLEM: {info['problem']}")
     tensors = info.get("tensors")

@@ -4,13 +4,19 @@ A checkpoint is a directory. A runtime plugin writes its tensors there in its ow
 ``torch.distributed.checkpoint``), but every runtime shares what is defined here, so the core,
 the CLI and :func:`latest_checkpoint` can read any checkpoint without importing a framework:
 
-- **Atomic commit.** Everything is written into a staging directory ``<path>.partial-<token>``
+- **Atomic commit.** Everything is written into a staging directory ``<path>.partial-<save id>``
   (:func:`staging_path`); once every rank finished, one rank writes the commit marker
   :data:`MARKER` (JSON metadata, :func:`write_marker`) into it and renames it to ``<path>``
-  (:func:`publish`). A directory without the marker is a half-written checkpoint: never loaded.
-- **Metadata** (the marker's JSON): the topology and runtime it was written at, the framework,
-  the loader's progress and position, the extras that are not tensors, and the size of every
-  file (a truncated file is refused before any collective: :func:`verify_files`).
+  (:func:`publish`). A directory without the marker, or still under its staging name, is a
+  half-written checkpoint: never loaded. A failed save removes its staging directory
+  (:func:`remove_staging`); :func:`prune` keeps the newest committed checkpoints of a folder.
+- **Metadata** (the marker's JSON, format version :data:`VERSION`): the topology and runtime it
+  was written at, the framework, the loader's progress and position, the extras that are not
+  tensors, the name/shape/dtype of every tensor (``arrays``), a per-save identity (``id``, also in
+  the runtime's own files), and the size and SHA-256 of every file, hashed while it was written
+  (:mod:`polyparallel._checkpoint_files`): a flipped byte or a file of another checkpoint is
+  refused naming the file (:func:`verify_files`). Version 1 (sizes only, no ``id``/``arrays``)
+  still loads, its files checked by size.
 - **Values.** Extras and other non-tensor values are JSON (:func:`split` / :func:`join`); loading
   never unpickles anything.
 """
@@ -28,23 +34,27 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from . import _checkpoint_files as files_
 from ._errors import CheckpointError
 
 if TYPE_CHECKING:
     from ._session import Session
     from ._strategy import Strategy
 
-__all__ = ["MARKER", "latest_checkpoint", "list_checkpoints", "read_marker"]
+__all__ = ["MARKER", "latest_checkpoint", "list_checkpoints", "prune", "read_marker"]
 
 #: The commit marker: present (and valid JSON) exactly when the checkpoint is complete.
 MARKER = "polyparallel-checkpoint.json"
 FORMAT = "polyparallel-checkpoint"
-VERSION = 1
+#: The format version written; every earlier one is read (1: sizes only, no save id, no tensor list).
+VERSION = 2
 #: The objects Strategy.save/load take by these names; everything else given to save is an extra.
 OBJECTS = ("model", "optimizer", "loader")
 #: Keys Strategy.load returns next to the extras (so no extra may use them).
 PROGRESS = ("epoch", "step", "global_step")
-RESERVED = (*OBJECTS, "framework", *PROGRESS)
+#: What Strategy.load returns for a partial load (strict=False or keys=): loaded/missing/... keys.
+LOAD_REPORT = "load_report"
+RESERVED = (*OBJECTS, "framework", *PROGRESS, LOAD_REPORT)
 #: What must agree between the saved loader and the loader resumed into (exact resumption).
 LOADER_MUST_MATCH = ("global_batch", "dataset_len", "seed", "shuffle", "remainder")
 _TUPLE, _TENSOR = "__tuple__", "__tensor__"
@@ -98,6 +108,9 @@ def check_save(path: Any, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
             raise TypeError(f"Strategy.save: {name!r} is not a name an extra may take: Strategy.load returns the "
                             f"loader's progress under {', '.join(map(repr, PROGRESS))}. Pass loader= (its epoch and "
                             f"position are saved), or name your value otherwise (e.g. my_{name}=).")
+    if LOAD_REPORT in state:
+        raise TypeError(f"Strategy.save: {LOAD_REPORT!r} is not a name an extra may take: Strategy.load returns the "
+                        "report of a partial load under it. Name your value otherwise.")
     framework = state.get("framework")
     if framework is not None and not isinstance(framework, str):
         raise TypeError(f"Strategy.save: framework= names the framework for the metadata (a str). Received: {framework!r}.")
@@ -156,6 +169,10 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint at {path!r} (no such directory).")
+    if _STAGING in os.path.basename(os.path.normpath(path)):
+        raise CheckpointError(f"{path!r} is the staging directory of a save that was never published (it failed or "
+                              "was killed before its final rename), not a committed checkpoint; it is never loaded. "
+                              "Load the checkpoint it was for, or polyparallel.latest_checkpoint(<its folder>).")
     marker = os.path.join(path, MARKER)
     if not os.path.isfile(marker):
         hint = ""
@@ -176,40 +193,59 @@ def read_marker(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def base_metadata(strategy: Strategy, session: Session, framework: str | None) -> dict[str, Any]:
-    """The fields every runtime writes into the marker (the runtime adds its own)."""
+def base_metadata(strategy: Strategy, session: Session, framework: str | None,
+                  save_id: str | None = None) -> dict[str, Any]:
+    """The fields every runtime writes into the marker (the runtime adds its own): ``save_id`` is
+    this save's identity (the same on every rank; default a fresh one), which the runtime also
+    writes into its own files, so that a file of another save is recognised."""
     from . import __version__
 
     now = time.time_ns()
     return {
-        "format": FORMAT, "version": VERSION, "polyparallel": __version__, "runtime": session.runtime,
+        "format": FORMAT, "version": VERSION, "id": save_id or new_save_id(), "polyparallel": __version__,
+        "runtime": session.runtime,
         "framework": framework or session.runtime, "topology": dict(session.topology.sizes),
         "world_size": session.world_size, "zero": strategy.shard_policy.stage, "saved_at_ns": now,
         "saved_at": datetime.datetime.fromtimestamp(now / 1e9, datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
+def new_save_id() -> str:
+    """A fresh per-save identity (random; a runtime makes it once and shares it with every rank)."""
+    return secrets.token_hex(8)
+
+
 def staging_path(path: str, token: str) -> str:
-    """Where a save of ``path`` writes before it is published (``token``: the same on every rank)."""
+    """Where a save of ``path`` writes before it is published (``token``: the same on every rank,
+    e.g. the save id)."""
     return f"{path}{_STAGING}{token}"
 
 
 def file_sizes(directory: str) -> dict[str, int]:
     """Relative path -> size of every file under ``directory`` except the marker."""
-    sizes = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, directory).replace(os.sep, "/")
-            if rel != MARKER:
-                sizes[rel] = os.path.getsize(full)
-    return dict(sorted(sizes.items()))
+    return files_.on_disk(directory)
 
 
-def write_marker(directory: str, metadata: dict[str, Any]) -> None:
+def write_marker(directory: str, metadata: dict[str, Any],
+                 files: Mapping[str, tuple[int, str]] | None = None) -> None:
     """Write the marker into ``directory`` in one step (a temporary file renamed over it), with
-    the sizes of every file already there."""
-    metadata = {**metadata, "files": file_sizes(directory)}
+    the size and SHA-256 of every file already there.
+
+    :param files: relative path -> ``(size, sha256 hex digest)`` of every file of the checkpoint,
+        as recorded while each rank wrote them (:class:`polyparallel._checkpoint_files.HashingStream`,
+        :func:`~polyparallel._checkpoint_files.write_bytes`); the directory must hold exactly
+        these files with these sizes. ``None``: every file there is hashed now, by reading it
+        (for a writer that cannot be wrapped).
+    :raises CheckpointError: the directory's files are not the recorded ones.
+    """
+    if files is None:
+        files = {rel: (size, files_.hash_file(os.path.join(directory, rel)))
+                 for rel, size in files_.on_disk(directory).items()}
+    else:
+        files_.check_records(directory, files)
+    metadata = {**metadata, "version": VERSION, "files": {rel: int(size) for rel, (size, _) in sorted(files.items())},
+                files_.HASH: {rel: digest for rel, (_, digest) in sorted(files.items())}}
+    metadata.setdefault("id", new_save_id())
     tmp = os.path.join(directory, MARKER + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(metadata, f, indent=1, sort_keys=True)
@@ -228,7 +264,11 @@ def publish(staging: str, path: str) -> None:
         # Killed between the renames, the old checkpoint stays loadable there (recovered()).
         aside = path + _ASIDE + secrets.token_hex(6)
         os.rename(path, aside)
-        os.rename(staging, path)
+        try:
+            os.rename(staging, path)
+        except BaseException:
+            os.rename(aside, path)  # the previous checkpoint stays the one at path
+            raise
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(staging, path)
@@ -252,21 +292,22 @@ def _sync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def verify_files(path: str, metadata: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose files are missing or have other sizes than when it was committed
-    (truncated, partly copied)."""
-    recorded = metadata.get("files")
-    if not isinstance(recorded, dict):
-        raise CheckpointError(f"{path!r}: its {MARKER} lists no files; the checkpoint cannot be checked.")
-    for rel, size in recorded.items():
-        full = os.path.join(path, rel)
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{path!r} is incomplete: {rel} is missing (it was written at commit). Copy the "
-                                  "whole directory, or load an earlier checkpoint.")
-        actual = os.path.getsize(full)
-        if actual != size:
-            raise CheckpointError(f"{path!r} is corrupt: {rel} has {actual} bytes, {size} when it was committed "
-                                  "(truncated or overwritten). Load an earlier checkpoint.")
+def verify_files(path: str, metadata: dict[str, Any], hashed: Any = None) -> None:
+    """Refuse a checkpoint whose files are missing, have other sizes than when it was committed
+    (truncated, partly copied), or — format version 2 — other contents (the SHA-256 of each file
+    in ``hashed``, default every file, recomputed: flipped bytes, a file of another checkpoint).
+
+    :raises CheckpointError: naming the first file at fault.
+    """
+    found = files_.problems(path, metadata, hashed)
+    if found:
+        raise CheckpointError(found[0] + (f" ({len(found) - 1} more file(s) at fault.)" if len(found) > 1 else ""))
+
+
+def remove_staging(staging: str) -> None:
+    """Remove the staging directory of a save that failed (no checkpoint was published from it)."""
+    if _STAGING in os.path.basename(staging):
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # -- values as JSON ------------------------------------------------------------------------------------
@@ -377,3 +418,32 @@ def latest_checkpoint(directory: str | os.PathLike[str], pattern: str = "step-*"
     """
     committed = [c for c in list_checkpoints(directory, pattern) if c["committed"]]
     return committed[-1]["path"] if committed else None
+
+
+def prune(directory: str | os.PathLike[str], keep: int, pattern: str = "step-*") -> list[str]:
+    """Keep the ``keep`` newest committed checkpoints of ``directory`` named ``pattern`` (newest by
+    commit time); remove the older committed ones and the staging directories (``.partial-``) of
+    saves that failed or were killed: those last modified before the newest commit, so that a save
+    in progress (of this job or a peer rank) is never touched. The newest committed checkpoint is
+    never removed, nor anything that is not a checkpoint. Call it on one rank
+    (:class:`polyparallel.CheckpointManager` does). Returns the removed paths.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"prune(keep=) takes an int >= 1 (the newest committed checkpoint always stays). "
+                         f"Received: {keep!r}.")
+    found = list_checkpoints(directory, pattern)
+    committed = [c for c in found if c["committed"]]
+    if not committed:
+        return []
+    newest = committed[-1]["metadata"].get("saved_at_ns", 0)
+    doomed = [c["path"] for c in committed[:-keep]]
+    for c in found:
+        if _STAGING in c["name"]:
+            try:
+                if os.stat(c["path"]).st_mtime_ns < newest:
+                    doomed.append(c["path"])
+            except OSError:
+                pass
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed

@@ -17,15 +17,17 @@ if TYPE_CHECKING:
 __all__ = ["launch"]
 
 
-def _adapters_running(pm: Any, runtime: str, topology: Any, stage: int) -> list[str]:
-    """The installed adapters on ``runtime`` whose declared capabilities admit ``topology`` at ``stage``."""
+def _adapters_running(pm: Any, runtime: str, topology: Any, strategy: Strategy) -> list[str]:
+    """The installed adapters on ``runtime`` whose declared capabilities admit ``topology`` with
+    ``strategy``'s sharding stage, precision and accumulation (what ``launch(runtime=<adapter>)``
+    would check)."""
     names = []
     for name, adapter in sorted(pm.adapters().items()):
         caps = adapter.capabilities
         if caps is None or (caps.runtimes and runtime not in caps.runtimes):
             continue
         try:
-            caps.check(topology, stage)
+            caps.check(topology, strategy.shard_policy.stage, strategy.precision, strategy.accumulate)
         except UnsupportedTopologyError:
             continue
         names.append(name)
@@ -118,12 +120,19 @@ def launch(
     # may shard by itself, as DeepSpeed does), else the runtime; a refusal names the installed
     # adapters that would run it on this runtime (launch cannot see what fn will call).
     adapter_named = runtime is not None and runtime not in pm.runtimes()
+    # Precision likewise: an adapter named maps it to its framework's mechanism (checked above).
+    # Accumulation always: the micro-batches come from the runtime's shard_data. Both are checked
+    # first, so the adapters named below are only ever suggested for the topology and stage.
+    caps = pm.runtimes()[chosen]
+    if not adapter_named and strategy.precision is not None:
+        caps.check_precision(strategy.precision)
+    caps.check_accumulation(strategy.accumulate)
     try:
-        pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage)
+        caps.check(topology, 0 if adapter_named else strategy.shard_policy.stage)
     except UnsupportedTopologyError as exc:
         if adapter_named:
             raise
-        runs = _adapters_running(pm, chosen, topology, strategy.shard_policy.stage)
+        runs = _adapters_running(pm, chosen, topology, strategy)
         if not runs:
             raise
         raise UnsupportedTopologyError(
@@ -134,7 +143,7 @@ def launch(
         raise TypeError(f"launch(trace_dir={trace_dir!r}): the {chosen!r} runtime does not record its collectives "
                         f"(its capabilities lack the {_trace.FEATURE!r} feature), so no trace would be written. "
                         "Drop trace_dir=, or use a runtime that records (torch).")
-    _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})")
+    _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})", strategy.accumulate)
     args, kwargs = tuple(args), dict(kwargs or {})
     try:  # here, not in a half-started job: the processes get them pickled
         pickle.dumps((fn, args, kwargs))
@@ -142,8 +151,8 @@ def launch(
         raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: "
                         f"{exception_summary(exc, first_line=False)}. Define fn at module level (not a lambda or a nested "
                         "function) and pass picklable arguments.") from exc
-    results = pm.call("polyparallel_launch", fn=fn, strategy=strategy, runtime=chosen, nprocs=nprocs,
-                      args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
+    results = pm.call_for_runtime("polyparallel_launch", chosen, fn=fn, strategy=strategy, runtime=chosen,
+                                  nprocs=nprocs, args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
     if results is None:
         caps = pm.runtimes()[chosen]
         raise NoPluginError(

@@ -121,7 +121,10 @@ class PluginManager:
         #: Automatic runtime choice per strategy value (cleared when the plugins change).
         self._resolved: dict[Strategy, str | None] = {}
         self._sessions: dict[Strategy, Session] = {}
-        self._callers: dict[str, Any] = {}
+        #: Hook callers per (hook name, runtime): each holds the plugins that serve that runtime.
+        self._callers: dict[tuple[str, str | None], Any] = {}
+        #: Plugin name -> the runtimes whose sessions its hooks see (None: every session).
+        self._served: dict[str, frozenset[str] | None] | None = None
         # Resources shared by sessions (process groups): key -> [value, references, release].
         self._shared: dict[Any, list[Any]] = {}
         self._atexit_registered = False
@@ -234,9 +237,11 @@ class PluginManager:
             self._changed()
 
     def _changed(self) -> None:
-        # Registries and automatic runtime choices are recomputed from the new set of plugins.
+        # Registries, routes and automatic runtime choices are recomputed from the new set of plugins.
         self._adapters = None
         self._runtimes = None
+        self._served = None
+        self._callers.clear()
         self._resolved.clear()
 
     def plugins(self) -> list[PluginInfo]:
@@ -251,30 +256,88 @@ class PluginManager:
 
     # -- dispatch ------------------------------------------------------------------------------
     def call(self, hook_name: str, **kwargs: Any) -> Any:
-        """Call a hook; an exception from a plugin is re-raised naming the plugin."""
+        """Call a hook on every plugin; an exception from a plugin is re-raised naming the plugin."""
         caller = getattr(self.hook, hook_name)
         try:
             return caller(**kwargs)
         except Exception as exc:
             self._reraise(caller, hook_name, exc)
 
-    def dispatch(self, operation: str, subject: Any, **kwargs: Any) -> Any:
-        """Call the firstresult hook of an operation; turn "nobody answered" into an error.
-
-        This is the hot path of every operation (< 5 us a call is the budget): the hook callers
-        are looked up once and cached.
-        """
+    def call_for_runtime(self, hook_name: str, runtime: str | None, /, **kwargs: Any) -> Any:
+        """Call a hook on the plugins that serve ``runtime`` (:meth:`served_runtimes`): the plugin
+        that declares that runtime, and every plugin that is no runtime's (adapters for it, data
+        types of their own, wrappers). Another runtime's plugin never sees the call, so its hooks
+        need no ``if session.runtime != "mine"`` guard. An exception is re-raised naming the plugin."""
+        key = (hook_name, runtime)
         try:
-            caller = self._callers[operation]
+            caller = self._callers[key]
         except KeyError:
-            caller = self._callers[operation] = getattr(self.hook, f"polyparallel_{operation}")
+            caller = self._callers[key] = self._routed_caller(hook_name, runtime)
         try:
-            result = caller(**kwargs)
+            return caller(**kwargs)
         except Exception as exc:
-            self._reraise(caller, f"polyparallel_{operation}", exc)
+            self._reraise(caller, hook_name, exc)
+
+    def dispatch(self, operation: str, subject: Any, **kwargs: Any) -> Any:
+        """Call the firstresult hook of an operation on the plugins that serve the session's
+        runtime (:meth:`call_for_runtime`); turn "nobody answered" into an error.
+
+        This is the hot path of every operation (< 5 us a call is the budget): the routed hook
+        callers are built once per runtime and cached.
+        """
+        session = kwargs.get("session")
+        runtime = session.runtime if session is not None else None
+        result = self.call_for_runtime(f"polyparallel_{operation}", runtime, **kwargs)
         if result is None:
-            raise NoPluginError(_routing.nobody_answered(self, operation, subject, kwargs.get("session")))
+            raise NoPluginError(_routing.nobody_answered(self, operation, subject, session))
         return result
+
+    def bridge(self, adapter: str, obj: Any) -> Any:
+        """What the plugin that owns ``obj`` offers the adapter named ``adapter`` for it
+        (``polyparallel_adapter_bridge``), or ``None``: how adapters cooperate without importing
+        each other."""
+        return self.call("polyparallel_adapter_bridge", adapter=adapter, obj=obj)
+
+    def served_runtimes(self) -> dict[str, frozenset[str] | None]:
+        """Plugin name -> the runtimes whose sessions (and launches) its hooks see; ``None``: all.
+
+        A plugin that declares runtimes (``polyparallel_capabilities``) serves those, plus the
+        runtimes its adapters declare; a plugin that declares no runtime serves the runtimes its
+        adapters run on (``Capabilities(runtimes=)``), and every runtime when it registers no
+        adapter or one that runs on any runtime. So the torch plugin never sees a JAX session, and
+        the DeepSpeed adapter (``runtimes={"torch"}``) only torch sessions."""
+        with self._lock:
+            if self._served is None:
+                declared: dict[str, set[str]] = {}
+                for name, caps in self.runtimes().items():
+                    declared.setdefault(caps.plugin, set()).add(name)
+                served: dict[str, frozenset[str] | None] = {}
+                try:
+                    adapters = list(self.adapters().values())
+                except PolyparallelError:
+                    # A plugin failing to register its adapters is reported where adapters are used
+                    # (adapt, `polyparallel plugins`); for routing its hooks see every session.
+                    adapters = None
+                for info in self._infos.values():
+                    own = declared.get(info.name)
+                    theirs = [a.capabilities.runtimes for a in adapters if a.plugin == info.name] if adapters is not None else None
+                    if theirs is None:
+                        served[info.name] = frozenset(own) if own else None
+                    elif own:
+                        served[info.name] = frozenset(own).union(*theirs)
+                    elif theirs and all(theirs):
+                        served[info.name] = frozenset().union(*theirs)
+                    else:
+                        served[info.name] = None
+                self._served = served
+            return dict(self._served)
+
+    def _routed_caller(self, hook_name: str, runtime: str | None) -> Any:
+        served = self.served_runtimes()
+        others = [self._pm.get_plugin(name) for name, runtimes in served.items()
+                  if runtimes is not None and runtime not in runtimes and self._pm.has_plugin(name)]
+        # pluggy's subset caller keeps the order, the wrappers and firstresult of the remaining plugins.
+        return self._pm.subset_hook_caller(hook_name, others) if others else getattr(self.hook, hook_name)
 
     def _reraise(self, caller: Any, hook_name: str, exc: Exception, default: str | None = None) -> NoReturn:
         plugin = _plugin_in_traceback(caller, exc.__traceback__) or default
@@ -386,7 +449,7 @@ class PluginManager:
                 if scope is not None and scope.closed:
                     raise RuntimeError(f"{scope!r} is closed: no new session can be made in it.")
                 runtime = self.resolve_runtime(strategy)
-                info = self.call("polyparallel_process_info", strategy=strategy, runtime=runtime)
+                info = self.call_for_runtime("polyparallel_process_info", runtime, strategy=strategy, runtime=runtime)
                 session = Session(strategy, self, info)
                 session.runtime = runtime
                 session.scope = scope
@@ -395,7 +458,20 @@ class PluginManager:
                 if not self._atexit_registered:
                     atexit.register(self.close_sessions)
                     self._atexit_registered = True
-                self.call("polyparallel_session_start", session=session)
+                try:
+                    self.call_for_runtime("polyparallel_session_start", runtime, session=session)
+                except BaseException as exc:
+                    # Not half-started: the session is closed (the plugins that started see their
+                    # finish hook, shared resources are released) and forgotten, so the next
+                    # session() makes a new one and runs the start hooks again.
+                    try:
+                        session.close()
+                    except Exception as close_exc:
+                        _note(exc, f"closing the session that failed to start also failed: "
+                                   f"{exception_summary(close_exc, first_line=False)}")
+                    finally:
+                        self._forget_session(session)
+                    raise
             return table[strategy]
 
     def sessions(self) -> list[Session]:
@@ -475,13 +551,6 @@ def _entry_points() -> Iterator[tuple[importlib.metadata.Distribution, importlib
             if ep.group == ENTRY_POINT_GROUP and (ep.name, ep.value) not in seen:
                 seen.add((ep.name, ep.value))
                 yield dist, ep
-
-
-def _extras() -> set[str]:
-    try:
-        return set(importlib.metadata.metadata("polyparallel").get_all("Provides-Extra") or ())
-    except importlib.metadata.PackageNotFoundError:
-        return set()
 
 
 _default: PluginManager | None = None

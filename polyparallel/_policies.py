@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
-__all__ = ["DataPolicy", "GradPolicy", "MetricPolicy", "StatePolicy", "Mean", "REDUCE_OPS"]
+__all__ = ["DataPolicy", "GradPolicy", "MetricPolicy", "PrecisionPolicy", "StatePolicy", "Mean", "REDUCE_OPS"]
 
 #: Reduction ops for plain metric values and gradients.
 REDUCE_OPS = ("mean", "sum", "max", "min")
@@ -97,11 +97,16 @@ class GradPolicy:
         ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
         checked operation (``reduce_metrics``, ``sync_states``) or by the timeout. Every other
         operation is always checked. Like every field, it must be the same on every rank.
+    :param accumulate: gradient accumulation: the optimizer steps once every ``accumulate``
+        micro-batches, and gradients are reduced over the data axis once per step, not per
+        micro-batch. The global batch (``DataPolicy.batch_size``) is ``micro-batch x accumulate x
+        data``, in every framework (``Strategy(accumulate=)`` is the shortcut).
     """
 
     op: str = "mean"
     bucket_mb: float | None = None
     check: bool = True
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         _choice("GradPolicy.op", self.op, ("mean", "sum"))
@@ -113,6 +118,10 @@ class GradPolicy:
             raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {mb!r}.")
         if not isinstance(self.check, bool):
             raise ValueError(f"GradPolicy.check must be True or False. Received: {self.check!r}.")
+        n = self.accumulate
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"GradPolicy.accumulate must be a positive int (micro-batches per optimizer step). "
+                             f"Received: {n!r}.")
 
     def bucket_bytes(self, default_mb: float = 25.0) -> int:
         """The bucket size in bytes (``default_mb`` when :attr:`bucket_mb` is ``None``)."""
@@ -142,6 +151,123 @@ class ShardPolicy:
 
 
 SHARD_STAGES = (0, 1, 2, 3)
+
+#: The floating-point dtypes a PrecisionPolicy names (framework-free spellings), widest first.
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+_BITS = {"float64": 64, "float32": 32, "bfloat16": 16, "float16": 16}
+#: Named presets: (param, compute, reduce, optimizer, loss scaling).
+PRECISION_PRESETS: dict[str, tuple[str, str, str, str, bool]] = {
+    "32": ("float32", "float32", "float32", "float32", False),
+    "bf16-mixed": ("float32", "bfloat16", "float32", "float32", False),
+    "bf16-true": ("bfloat16", "bfloat16", "bfloat16", "bfloat16", False),
+    "fp16-mixed": ("float32", "float16", "float32", "float32", True),
+}
+#: Other spellings users bring from Lightning and elsewhere.
+PRECISION_ALIASES = {"32-true": "32", "fp32": "32", "bf16": "bf16-mixed", "16-mixed": "fp16-mixed"}
+
+
+@dataclass(frozen=True, init=False)
+class PrecisionPolicy:
+    """The numeric precision of training: the dtypes that matter in parallel training.
+
+    Build it from a preset name (``PrecisionPolicy("bf16-mixed")``, or ``Strategy(precision=
+    "bf16-mixed")``) or from explicit fields (``PrecisionPolicy(compute_dtype="bfloat16",
+    reduce_dtype="bfloat16")``: fields not given are ``float32``). Every target maps it to its
+    framework's own mechanism (autocast, Lightning's precision plugin, FSDP2's
+    ``MixedPrecisionPolicy``, DeepSpeed's ``bf16``/``fp16`` sections, a JAX compute dtype), and a
+    target that cannot run it refuses it before any process starts
+    (:attr:`polyparallel.Capabilities.precisions`).
+
+    Presets: ``"32"`` (everything float32), ``"bf16-mixed"`` (float32 parameters and optimizer
+    state, bfloat16 compute, float32 gradient reduction), ``"bf16-true"`` (everything bfloat16),
+    ``"fp16-mixed"`` (as bf16-mixed with float16 compute and dynamic loss scaling). Aliases:
+    ``"32-true"``, ``"fp32"``, ``"bf16"``, ``"16-mixed"``.
+
+    :param param_dtype: the dtype the parameters are kept in (the weights the optimizer updates:
+        the master copy under mixed precision).
+    :param compute_dtype: the dtype forward and backward run in; narrower than ``param_dtype``
+        means mixed precision (autocast), equal means "true" precision.
+    :param reduce_dtype: the dtype gradients are reduced in over the data axis.
+    :param optimizer_dtype: the dtype of the optimizer's state (moments).
+    :param loss_scaling: dynamic loss scaling (a gradient scaler), for float16 compute only.
+    """
+
+    param_dtype: str
+    compute_dtype: str
+    reduce_dtype: str
+    optimizer_dtype: str
+    loss_scaling: bool
+
+    def __init__(self, preset: str | None = None, *, param_dtype: str | None = None, compute_dtype: str | None = None,
+                 reduce_dtype: str | None = None, optimizer_dtype: str | None = None, loss_scaling: bool | None = None):
+        explicit: dict[str, Any] = {"param_dtype": param_dtype, "compute_dtype": compute_dtype, "reduce_dtype": reduce_dtype,
+                    "optimizer_dtype": optimizer_dtype, "loss_scaling": loss_scaling}
+        if preset is not None:
+            given = [k for k, v in explicit.items() if v is not None]
+            if given:
+                raise ValueError(f"PrecisionPolicy takes a preset name or explicit fields, not both. Received "
+                                 f"{preset!r} and {', '.join(given)}.")
+            if not isinstance(preset, str) or PRECISION_ALIASES.get(preset, preset) not in PRECISION_PRESETS:
+                names = ", ".join(map(repr, PRECISION_PRESETS))
+                aliases = ", ".join(f"{a!r} ({n})" for a, n in PRECISION_ALIASES.items())
+                raise ValueError(f"PrecisionPolicy: unknown preset {preset!r}; the presets are {names} (aliases: "
+                                 f"{aliases}), or give the fields (param_dtype=, compute_dtype=, reduce_dtype=, "
+                                 f"optimizer_dtype=, loss_scaling=).")
+            values = dict(zip(explicit, PRECISION_PRESETS[PRECISION_ALIASES.get(preset, preset)]))
+        else:
+            values = {k: v for k, v in explicit.items() if v is not None}
+            for field in ("param_dtype", "compute_dtype", "reduce_dtype", "optimizer_dtype"):
+                values.setdefault(field, "float32")
+            values.setdefault("loss_scaling", values["compute_dtype"] == "float16")
+        for field in ("param_dtype", "compute_dtype", "reduce_dtype", "optimizer_dtype"):
+            _choice(f"PrecisionPolicy.{field}", values[field], DTYPES)
+        if not isinstance(values["loss_scaling"], bool):
+            raise ValueError(f"PrecisionPolicy.loss_scaling must be True or False. Received: {values['loss_scaling']!r}.")
+        param, compute = str(values["param_dtype"]), str(values["compute_dtype"])
+        if _BITS[compute] > _BITS[param]:
+            raise ValueError(f"PrecisionPolicy(param_dtype={param!r}, compute_dtype={compute!r}): compute is wider than "
+                             "the parameters, which gains no precision; use the same dtype, or keep the parameters in "
+                             f"{compute!r} and compute in a narrower one (mixed precision).")
+        if _BITS[compute] == _BITS[param] and compute != param:
+            raise ValueError(f"PrecisionPolicy(param_dtype={param!r}, compute_dtype={compute!r}): two 16-bit dtypes; "
+                             "compute in the parameters' dtype, or keep the parameters in float32.")
+        if values["loss_scaling"] and compute != "float16":
+            raise ValueError(f"PrecisionPolicy(loss_scaling=True) is for float16 compute (its small exponent range "
+                             f"underflows gradients); compute_dtype is {compute!r}, whose range needs no scaling.")
+        for field, value in values.items():
+            object.__setattr__(self, field, value)
+
+    @property
+    def name(self) -> str | None:
+        """The preset these fields are (``"bf16-mixed"``), or ``None`` for another combination."""
+        key = (self.param_dtype, self.compute_dtype, self.reduce_dtype, self.optimizer_dtype, self.loss_scaling)
+        return next((n for n, fields in PRECISION_PRESETS.items() if fields == key), None)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in a narrower dtype than the parameters (autocast)."""
+        return self.compute_dtype != self.param_dtype
+
+    def dtypes(self) -> dict[str, str]:
+        """``{"param": ..., "compute": ..., "reduce": ..., "optimizer": ...}``."""
+        return {"param": self.param_dtype, "compute": self.compute_dtype, "reduce": self.reduce_dtype,
+                "optimizer": self.optimizer_dtype}
+
+    def __repr__(self) -> str:
+        if self.name is not None:
+            return f"PrecisionPolicy({self.name!r})"
+        fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in ("param_dtype", "compute_dtype", "reduce_dtype",
+                                                                  "optimizer_dtype", "loss_scaling"))
+        return f"PrecisionPolicy({fields})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_precision, (self.param_dtype, self.compute_dtype, self.reduce_dtype, self.optimizer_dtype,
+                             self.loss_scaling))
+
+
+def _precision(param: str, compute: str, reduce: str, optimizer: str, scaling: bool) -> PrecisionPolicy:
+    return PrecisionPolicy(param_dtype=param, compute_dtype=compute, reduce_dtype=reduce, optimizer_dtype=optimizer,
+                           loss_scaling=scaling)
 
 
 @dataclass(frozen=True)

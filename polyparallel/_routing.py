@@ -4,12 +4,14 @@ A *runtime* is what a plugin declares through ``polyparallel_capabilities`` (``t
 its :class:`~polyparallel.Capabilities` say what it needs (``imports``), which communication
 backends it takes (``backends``) and how much it is preferred (``priority``). The choice for a
 strategy (:func:`choose`) is made once per process and strategy value by the plugin manager and
-handed to every hook as ``session.runtime``; runtime hooks answer only for their own runtime.
+handed to every hook as ``session.runtime``; the plugin manager calls a session's hooks only on the
+plugins that serve its runtime (:meth:`~polyparallel.PluginManager.served_runtimes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import numbers
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,7 @@ __all__ = [
     "check_session",
     "choose",
     "data_policy_with",
+    "extras",
     "install_hint",
     "no_runtime_message",
     "nobody_answered",
@@ -41,12 +44,19 @@ __all__ = [
 DEFAULT_EXTRA = "torch"
 
 
+def extras() -> set[str]:
+    """The extras of the installed polyparallel distribution (``torch``, ``lightning``, ...): what
+    ``pip install 'polyparallel[name]'`` can install (empty when polyparallel is not installed)."""
+    try:
+        return set(importlib.metadata.metadata("polyparallel").get_all("Provides-Extra") or ())
+    except importlib.metadata.PackageNotFoundError:
+        return set()
+
+
 def install_hint(name: str, modules: list[str] | tuple[str, ...] = ()) -> str:
     """``pip install 'polyparallel[name]'`` for a runtime or adapter the project ships, else the
     modules it needs."""
-    from ._manager import _extras
-
-    if name in _extras():
+    if name in extras():
         return f"pip install 'polyparallel[{name}]'"
     if modules:
         return f"pip install {' '.join(modules)}"
@@ -202,17 +212,24 @@ def require(pm: PluginManager, strategy: Strategy, among: Mapping[str, str] | No
     raise NoPluginError(no_runtime_message(pm, needed_by))
 
 
-def check_batch(policy: DataPolicy, topology: Topology, where: str) -> None:
-    """The global batch size must divide over the data axis of ``topology`` (when its size is known)."""
+def check_batch(policy: DataPolicy, topology: Topology, where: str, accumulate: int = 1) -> None:
+    """The global batch size must divide over the data axis of ``topology`` (when its size is
+    known) times the ``accumulate`` micro-batches of a step."""
     batch = policy.batch_size
     data = topology.size("data")
-    if batch is None or data < 1 or batch % data == 0:
+    parts = data * accumulate if data >= 1 else accumulate
+    if batch is None or batch % parts == 0:
         return
-    lower, upper = batch // data * data, (batch // data + 1) * data
+    lower, upper = batch // parts * parts, (batch // parts + 1) * parts
+    if data >= 1:
+        over = f"data={data} ranks" + (f" x accumulate={accumulate} micro-batches" if accumulate > 1 else "")
+        takes = "batch_size / data" if accumulate == 1 else "batch_size / (data x accumulate)"
+        what = f"each data rank takes {takes} samples a micro-step"
+    else:  # the data size is not known yet: the micro-batches alone must divide it
+        over, what = f"accumulate={accumulate} micro-batches", "each optimizer step is accumulate micro-batches"
     raise TopologyError(
-        f"{where}: the global batch size {batch} does not divide over data={data} ranks (each data rank "
-        f"takes batch_size / data samples). Use a multiple of {data} "
-        f"({' or '.join(str(b) for b in (lower, upper) if b)}), or batch_size=None to keep a loader's own "
+        f"{where}: the global batch size {batch} does not divide over {over} ({what}). Use a multiple of "
+        f"{parts} ({' or '.join(str(b) for b in (lower, upper) if b)}), or batch_size=None to keep a loader's own "
         "batch size per rank."
     )
 
@@ -230,15 +247,18 @@ def data_policy_with(policy: DataPolicy, overrides: Mapping[str, Any]) -> DataPo
 
 def check_session(pm: PluginManager, session: Session) -> None:
     """Before any process group exists: the session's runtime admits its resolved topology's axes,
-    and the batch size divides over its data axis (covers scripts under torchrun that build their
-    Strategy themselves). Not the sharding stage: an adapter may shard by itself on the runtime's
-    groups (DeepSpeed); the stage is checked by ``launch``/``check``/``adapt`` against whoever
-    shards, and by the runtime's own ``wrap_model`` when it shards."""
+    and the batch size divides over its data axis (times the accumulated micro-batches; covers
+    scripts under torchrun that build their Strategy themselves). Not the sharding stage nor the
+    precision: an adapter may shard, or map the precision, by itself on the runtime's groups
+    (DeepSpeed); they are checked by ``launch``/``check``/``adapt`` against whoever does it, and
+    by the runtime's own ``wrap_model`` when it does."""
     runtime = session.runtime
     if runtime is not None:
-        pm.runtimes()[runtime].check(session.topology)
-    check_batch(session.strategy.data_policy, session.topology,
-                f"{session.strategy!r} in a world of {session.world_size}")
+        # Accumulation too: whoever steps, the micro-batches are the runtime's shard_data's.
+        pm.runtimes()[runtime].check(session.topology, accumulate=session.strategy.accumulate)
+    strategy = session.strategy
+    check_batch(strategy.data_policy, session.topology, f"{strategy!r} in a world of {session.world_size}",
+                strategy.grad_policy.accumulate)
 
 
 def _describe(operation: str, subject: Any) -> tuple[str, str]:
@@ -261,8 +281,6 @@ def _describe(operation: str, subject: Any) -> tuple[str, str]:
 
 def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Session | None) -> str:
     """The message of the :class:`NoPluginError` raised when no hook answered an operation."""
-    from ._manager import _extras
-
     described, top = _describe(operation, subject)
     runtime = getattr(session, "runtime", None)
     on = f" on the {runtime!r} runtime" if runtime else ""
@@ -276,7 +294,7 @@ def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Se
     named, others = broken_named(pm, top, *([owner] if owner else []))
     if named:
         return sentences(head, named, others)
-    extras = _extras()
+    offered = extras()
     # Plain Python values (numbers for reduce_metrics) are any runtime's: what is missing is a runtime.
     if runtime is None and top == "builtins" and not any(not c.missing_imports() for c in runtimes.values()):
         return sentences(head, no_runtime_message(pm))
@@ -286,6 +304,6 @@ def nobody_answered(pm: PluginManager, operation: str, subject: Any, session: Se
                                    f"{install_hint(owner)}.", others)
         return sentences(head, f"{top} objects belong to the {owner!r} runtime, but this strategy runs on "
                                f"{runtime!r}: use Strategy(runtime={owner!r}).", others)
-    hint = (f"To handle {top} objects: pip install 'polyparallel[{top}]'." if top in extras and top != runtime else
-            f"Install a plugin for {top} objects (extras: {', '.join(sorted(extras))}), or write one (CONTRIBUTING.md).")
+    hint = (f"To handle {top} objects: pip install 'polyparallel[{top}]'." if top in offered and top != runtime else
+            f"Install a plugin for {top} objects (extras: {', '.join(sorted(offered))}), or write one (CONTRIBUTING.md).")
     return sentences(head, hint, others)

@@ -129,7 +129,7 @@ class Session:
 
     #: The runtime this session's operations run on (``Strategy.resolve_runtime``), set by the
     #: plugin manager before any hook sees the session; ``None`` when no runtime is installed.
-    #: A runtime plugin's hooks answer only when it is theirs.
+    #: Only that runtime's plugin (and plugins that are no runtime's) see the session's hooks.
     runtime: str | None = None
     #: The :class:`SessionScope` the session was made in (``None``: the process's own session).
     scope: SessionScope | None = None
@@ -204,7 +204,7 @@ class Session:
         self.closed = True
         try:
             # Through call(): an error in a plugin's hook names the plugin, as for every hook.
-            self.manager.call("polyparallel_session_finish", session=self)
+            self.manager.call_for_runtime("polyparallel_session_finish", self.runtime, session=self)
         finally:
             errors = []
             while self._finalizers:

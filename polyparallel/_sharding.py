@@ -12,7 +12,7 @@ import random
 
 from ._policies import REMAINDERS
 
-__all__ = ["shard_indices", "shard_length"]
+__all__ = ["micro_batch_size", "shard_indices", "shard_length"]
 
 def _check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -101,6 +101,28 @@ def shard_indices(length: int, data_rank: int, data_size: int, *, seed: int = 0,
         pad = data_size - tail
         order += (order * -(-pad // length))[:pad]
     return order[data_rank::data_size]
+
+
+def micro_batch_size(global_batch: int, data_size: int, accumulate: int = 1) -> int:
+    """The batch one data rank takes per micro-step: ``global_batch / (data_size x accumulate)``
+    (a global batch of 64 at data=2 with accumulate=2 is 16 samples per rank and micro-step).
+    Every plugin uses it, so the global batch means the same in every framework.
+
+    >>> micro_batch_size(64, 2), micro_batch_size(64, 2, accumulate=2)
+    (32, 16)
+
+    :raises ValueError: the global batch does not divide (the message names the nearest ones).
+    """
+    for name, value in (("global_batch", global_batch), ("data_size", data_size), ("accumulate", accumulate)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"micro_batch_size({name}=) must be a positive int. Received: {value!r}.")
+    parts = data_size * accumulate
+    if global_batch % parts:
+        lower, upper = global_batch // parts * parts, (global_batch // parts + 1) * parts
+        over = f"data={data_size} ranks" + (f" x accumulate={accumulate} micro-batches" if accumulate > 1 else "")
+        raise ValueError(f"the global batch size {global_batch} does not divide over {over}; use a multiple of "
+                         f"{parts} ({' or '.join(str(b) for b in (lower, upper) if b)}).")
+    return global_batch // parts
 
 
 def shard_length(length: int, data_rank: int, data_size: int, remainder: str = "pad") -> int:

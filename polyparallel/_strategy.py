@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from . import _checkpoints, _routing
 from ._errors import CheckpointError, NoPluginError, TopologyError
 from ._manager import PluginManager, get_plugin_manager
-from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, ShardPolicy, StatePolicy
+from ._policies import DataPolicy, GradPolicy, Mean, MetricPolicy, PrecisionPolicy, ShardPolicy, StatePolicy
 from ._topology import Topology
 
 if TYPE_CHECKING:
@@ -20,14 +20,16 @@ if TYPE_CHECKING:
 __all__ = ["Strategy"]
 
 _FIELDS = ("topology", "timeout", "seed", "backend", "runtime", "data_policy", "grad_policy", "metric_policy",
-           "state_policy", "shard_policy")
+           "state_policy", "shard_policy", "precision")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*\Z")
 
 
 class Strategy:
     """How to parallelise: a :class:`Topology` plus policies, immutable and picklable.
 
-    :param data, tensor, pipeline: axis sizes; one may be ``-1`` (inferred from the world size).
+    :param data: the size of the data axis; one axis may be ``-1`` (inferred from the world size).
+    :param tensor: the size of the tensor axis.
+    :param pipeline: the size of the pipeline axis.
     :param topology: a :class:`Topology` instead of the three sizes.
     :param timeout: seconds every collective may wait before failing with an error that names
         the operation, axis and rank.
@@ -43,8 +45,18 @@ class Strategy:
     :param zero: the sharding stage over the data axis, 0-3 (shortcut for
         ``shard_policy=ShardPolicy(stage=)``): 0 replicates, 1 shards optimizer state, 2 also
         gradients, 3 also parameters. Refused before launch by a target that cannot run it.
-    :param data_policy, grad_policy, metric_policy, state_policy, shard_policy: see
-        :mod:`polyparallel` policies.
+    :param precision: the numeric precision (a :class:`PrecisionPolicy` or a preset name:
+        ``"32"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"fp16-mixed"``), mapped by every target to
+        its framework's mechanism; ``None`` (the default) leaves the model's own dtypes and the
+        framework's defaults alone. Refused before launch by a target that cannot run it.
+    :param accumulate: micro-batches per optimizer step (shortcut for
+        ``grad_policy=GradPolicy(accumulate=)``): the global batch ``batch_size`` is ``micro-batch
+        x accumulate x data`` in every framework, and gradients are reduced once per step.
+    :param data_policy: a :class:`DataPolicy` (how ``shard_data`` splits data).
+    :param grad_policy: a :class:`GradPolicy` (how ``sync_grads`` reduces).
+    :param metric_policy: a :class:`MetricPolicy` (how ``reduce_metrics`` reduces plain values).
+    :param state_policy: a :class:`StatePolicy` (what ``sync_states`` does per state).
+    :param shard_policy: a :class:`ShardPolicy` (the sharding stage).
     :param plugin_manager: the plugin manager operations dispatch through (default: the process's
         default manager). Not part of the value: it is neither compared nor pickled.
 
@@ -66,6 +78,7 @@ class Strategy:
     metric_policy: MetricPolicy
     state_policy: StatePolicy
     shard_policy: ShardPolicy
+    precision: PrecisionPolicy | None
     _pm: PluginManager | None
     _hash: int
     _runtime_hint: str | None  # the runtime chosen by the process that pickled this strategy
@@ -88,6 +101,8 @@ class Strategy:
         state_policy: StatePolicy | Mapping[str, str] | None = None,
         shard_policy: ShardPolicy | None = None,
         zero: int | None = None,
+        precision: PrecisionPolicy | str | None = None,
+        accumulate: int | None = None,
         plugin_manager: PluginManager | None = None,
     ):
         sizes = {k: v for k, v in (("data", data), ("tensor", tensor), ("pipeline", pipeline)) if v is not None}
@@ -130,17 +145,37 @@ class Strategy:
         elif zero is not None and zero != shard_policy.stage:
             raise TopologyError(f"Strategy takes zero= or shard_policy=, not two different stages. Received zero={zero!r} "
                                 f"and {shard_policy!r}.")
+        if isinstance(precision, str):
+            try:
+                precision = PrecisionPolicy(precision)
+            except ValueError as exc:
+                raise TopologyError(str(exc).replace("PrecisionPolicy:", "Strategy(precision=):", 1)) from None
+        elif precision is not None and not isinstance(precision, PrecisionPolicy):
+            raise TopologyError(f"Strategy(precision=) must be a preset name ('32', 'bf16-mixed', 'bf16-true', "
+                                f"'fp16-mixed'), a PrecisionPolicy, or None. Received: {precision!r}.")
+        if grad_policy is None:
+            grad_policy = GradPolicy()
+        elif not isinstance(grad_policy, GradPolicy):
+            raise TopologyError(f"Strategy(grad_policy=) must be a GradPolicy. Received: {grad_policy!r}.")
+        if accumulate is not None:
+            if grad_policy.accumulate not in (1, accumulate):
+                raise TopologyError(f"Strategy takes accumulate= or grad_policy=GradPolicy(accumulate=), not two "
+                                    f"different counts. Received accumulate={accumulate!r} and {grad_policy!r}.")
+            try:
+                grad_policy = dataclasses.replace(grad_policy, accumulate=accumulate)
+            except ValueError as exc:
+                raise TopologyError(str(exc).replace("GradPolicy.accumulate", "Strategy(accumulate=)")) from None
         values = dict(
             topology=topology, timeout=float(timeout), seed=seed, backend=backend, runtime=runtime,
-            data_policy=data_policy, grad_policy=GradPolicy() if grad_policy is None else grad_policy,
+            data_policy=data_policy, grad_policy=grad_policy,
             metric_policy=MetricPolicy() if metric_policy is None else metric_policy, state_policy=state_policy,
-            shard_policy=shard_policy,
+            shard_policy=shard_policy, precision=precision,
         )
         for name, kind in (("data_policy", DataPolicy), ("grad_policy", GradPolicy),
                            ("metric_policy", MetricPolicy), ("state_policy", StatePolicy)):
             if not isinstance(values[name], kind):
                 raise TopologyError(f"Strategy({name}=) must be a {kind.__name__}. Received: {values[name]!r}.")
-        _routing.check_batch(data_policy, topology, "Strategy")
+        _routing.check_batch(data_policy, topology, "Strategy", grad_policy.accumulate)
         for field, item in values.items():
             object.__setattr__(self, field, item)
         object.__setattr__(self, "_pm", plugin_manager)
@@ -178,19 +213,40 @@ class Strategy:
                         if getattr(self, name) is not None)
         if self.shard_policy.stage:
             extra += f", zero={self.shard_policy.stage}"
+        if self.precision is not None:
+            name = self.precision.name
+            extra += f", precision={name!r}" if name else f", precision={self.precision!r}"
+        if self.accumulate > 1:
+            extra += f", accumulate={self.accumulate}"
         return f"Strategy({axes}, timeout={self.timeout:g}, seed={self.seed}{extra})"
+
+    @property
+    def accumulate(self) -> int:
+        """Micro-batches per optimizer step (``grad_policy.accumulate``)."""
+        return self.grad_policy.accumulate
 
     def replace(self, **changes: Any) -> Strategy:
         """A copy with some fields changed (``topology``, ``timeout``, ``runtime``, a policy, axis
         sizes, ``batch_size`` or ``zero``)."""
         values = dict(zip(_FIELDS, self._values()))
         if "batch_size" in changes:
-            values["batch_size"] = changes.pop("batch_size")
+            # Applied to the data policy (the given one, else this strategy's): batch_size=None
+            # must drop the global batch, not read as "not given" by the constructor.
+            policy = changes.pop("data_policy", values["data_policy"])
+            if not isinstance(policy, DataPolicy):
+                raise TopologyError(f"Strategy(data_policy=) must be a DataPolicy. Received: {policy!r}.")
+            values["data_policy"] = dataclasses.replace(policy, batch_size=changes.pop("batch_size"))
         if "zero" in changes:
             if "shard_policy" in changes:
                 raise TopologyError("Strategy.replace() takes zero= or shard_policy=, not both.")
             values.pop("shard_policy")
             values["zero"] = changes.pop("zero")
+        if "accumulate" in changes:
+            policy = changes.pop("grad_policy", values["grad_policy"])
+            if not isinstance(policy, GradPolicy):
+                raise TopologyError(f"Strategy(grad_policy=) must be a GradPolicy. Received: {policy!r}.")
+            values["grad_policy"] = dataclasses.replace(policy, accumulate=1)
+            values["accumulate"] = changes.pop("accumulate")
         axes = {a: changes.pop(a) for a in ("data", "tensor", "pipeline") if a in changes}
         if axes and "topology" in changes:
             raise TopologyError(
@@ -203,7 +259,13 @@ class Strategy:
         if unknown:
             raise TypeError(f"Strategy.replace() got unknown fields {sorted(unknown)}; expected {_FIELDS}.")
         values.update(changes)
-        return Strategy(**values, plugin_manager=self._pm)
+        replaced = Strategy(**values, plugin_manager=self._pm)
+        # The runtime the launching process chose travels with the copy (a launched process that
+        # builds strategy.replace(seed=1) runs where its parent decided), unless the copy names
+        # its runtime or another backend, which the choice depends on.
+        if replaced.runtime == self.runtime and replaced.backend == self.backend:
+            object.__setattr__(replaced, "_runtime_hint", self._runtime_hint)
+        return replaced
 
     # -- per-process state ------------------------------------------------------------------------
     @property
@@ -257,7 +319,7 @@ class Strategy:
         pm = self.plugin_manager
         if target is None:
             runtime = _routing.require(pm, self)
-            pm.runtimes()[runtime].check(topology, self.shard_policy.stage)
+            pm.runtimes()[runtime].check(topology, self.shard_policy.stage, self.precision, self.accumulate)
         else:
             if not isinstance(target, str) or not target:
                 raise TypeError(f"check(target=) must be a runtime or adapter name. Received: {target!r}.")
@@ -270,18 +332,18 @@ class Strategy:
                     f"No installed plugin provides the target {target!r}. Known targets: "
                     f"{', '.join(known) or 'none'}.", hint, others))
             if target in runtimes:
-                runtimes[target].check(topology, self.shard_policy.stage)
+                runtimes[target].check(topology, self.shard_policy.stage, self.precision, self.accumulate)
                 _routing.require(pm, self, {target: f"Strategy.check({target!r})"})
             if target in adapters:
                 self._adapter_strategy(adapters[target], topology)
         if topology.is_resolved:
-            _routing.check_batch(self.data_policy, topology, f"{self!r} on {topology.world_size} ranks")
+            _routing.check_batch(self.data_policy, topology, f"{self!r} on {topology.world_size} ranks", self.accumulate)
 
     def _adapter_strategy(self, adapter: Any, topology: Topology) -> Strategy:
         """Check ``adapter`` can run this strategy; the strategy its factory gets (the same, or
         one whose runtime is pinned to the adapter's when the automatic choice differs)."""
         caps = adapter.capabilities
-        caps.check(topology, self.shard_policy.stage)
+        caps.check(topology, self.shard_policy.stage, self.precision, self.accumulate)
         if not caps.runtimes:
             return self
         who = f"the adapter {adapter.name!r} (plugin {adapter.plugin!r})"
@@ -316,12 +378,15 @@ class Strategy:
         sampler whose meaning a shard cannot keep (weighted, with replacement, a subset, a
         custom ``Sampler`` or ``batch_sampler``) is refused, never silently replaced.
 
-        Epochs: the torch sampler advances its epoch only after a full pass, or follows
-        ``sampler.set_epoch(e)``, so a rank that peeks at a batch stays in step with its replicas.
+        Epochs: ``sampler.set_epoch(e)`` (Lightning and Ignite call it) pins the epoch, and
+        every pass of a pinned loader uses it, so a rank that peeks at a batch does not move ahead
+        of its replicas. Unpinned, each pass (each ``iter()``) is the next epoch, checked over all
+        ranks first, so a rank that iterates once more than its replicas fails instead of feeding
+        them other batches.
         """
         if overrides:
             policy = _routing.data_policy_with(self.data_policy, overrides)
-            _routing.check_batch(policy, self.session().topology, "shard_data()")
+            _routing.check_batch(policy, self.session().topology, "shard_data()", self.accumulate)
         else:
             policy = self.data_policy
         return self._dispatch("shard_data", data, data=data, policy=policy)
@@ -363,46 +428,107 @@ class Strategy:
         :param framework: a name recorded in the metadata (adapters pass theirs; default the runtime).
         :param extras: any other keyword: numbers, strings, booleans, ``None``, lists/tuples/dicts
             of them, and tensors of the runtime (rank 0's values are written); other objects are
-            refused. The names ``epoch``, ``step`` and ``global_step`` are ``load``'s.
+            refused. The names ``epoch``, ``step``, ``global_step`` and ``load_report`` are ``load``'s.
 
         Each rank's RNG states (Python's ``random``, the runtime's, NumPy's if imported) are saved too.
-        Atomic: the files are written into ``<path>.partial-<token>``, which becomes ``path``
-        (with its commit marker) only after every rank finished; :meth:`load` refuses a directory
-        without the marker. The refusals happen on every rank before any collective.
+        Atomic: the files are written into ``<path>.partial-<save id>``, which becomes ``path``
+        (with its commit marker, recording the size and SHA-256 of every file) only after every
+        rank finished; :meth:`load` refuses a directory without the marker. The refusals happen on
+        every rank before any collective.
+
+        :raises CheckpointError: on every rank alike, when writing failed on any rank (a full
+            disk: the message names the path, the rank and the operating system's error). Nothing
+            is published then, the staging directory is removed, and an earlier checkpoint stays.
         """
         path, state = _checkpoints.check_save(path, state)
-        return self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state)
+        return self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state,
+                              options={"asynchronous": False})
 
-    def load(self, path: Any, **state: Any) -> dict[str, Any]:
+    def async_save(self, path: Any, **state: Any) -> Any:
+        """:meth:`save`, asynchronously (as ``torch.distributed.checkpoint.async_save``): returns
+        once the state is staged (the torch runtime copies its tensors to CPU memory), while the
+        files are written and committed in the background; training may change the model at once.
+
+        :return: a ``concurrent.futures.Future``: ``result()`` (or ``wait()``) is the published path,
+            or raises the save's :class:`CheckpointError` (the same on every rank); ``done()``.
+            The commit stays atomic: the marker and the rename happen only after every rank's
+            files are written. A following save or load waits for it; a following save whose
+            predecessor failed unobserved raises that failure instead of starting. A runtime
+            without asynchronous saves completes the save before returning (a finished future).
+        """
+        path, state = _checkpoints.check_save(path, state)
+        result = self._dispatch("save_checkpoint", state.get("model", state), path=path, state=state,
+                                options={"asynchronous": True})
+        if isinstance(result, str):
+            import concurrent.futures
+
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(result)
+            return done
+        return result
+
+    def load(self, path: Any, *, strict: bool = True, keys: Any = None, **state: Any) -> dict[str, Any]:
         """Restore a checkpoint :meth:`save` wrote, at this strategy's topology (any data size, a
         tensor/pipeline axis or none, one process): ``model``, ``optimizer`` and ``loader`` are
         restored in place, as are this rank's RNG states.
 
         :param path: a committed checkpoint directory (:func:`polyparallel.latest_checkpoint`
             picks the newest in a folder).
-        :param model, optimizer, loader: the objects to restore (each optional). A ``loader``
+        :param model: the model to restore (optional).
+        :param optimizer: its optimizer (optional).
+        :param loader: a loader ``shard_data`` returned (optional). A ``loader``
             asks for exact resumption: its next pass continues the saved epoch after the batches
             already consumed, so the rest of the epoch is seen exactly once in the saved run's
             order, also at another data size with the same global batch.
+        :param strict: ``False`` loads only the model's parameters and buffers the checkpoint
+            holds with the same shape (fine-tuning: a backbone into a model with a new head); the
+            rest keeps its values. Never the default: a mismatch is otherwise refused.
+        :param keys: glob patterns over the model's state-dict names (``["backbone.*"]``) or a
+            predicate: load only those (each must be in the checkpoint unless ``strict=False``).
+            With ``strict=False`` or ``keys``, the model only (no optimizer or loader), and the
+            result holds ``load_report``: ``loaded``, ``missing``, ``unexpected``, ``mismatched``
+            (name -> both shapes) and ``excluded`` (left out by ``keys``).
         :return: ``{"epoch": e, "step": k, "global_step": g, **extras}``: continue with epoch
             ``e``, of which ``k`` batches were consumed (``k == 0`` when the saved epoch was
             complete: ``e`` is then the next one); ``g`` batches were consumed since the loader
             was made. The three are ``None`` when the checkpoint was saved without ``loader=``.
             Extras come back as saved (tensors as the runtime's tensors).
         :raises CheckpointError: on every rank, before any collective: the checkpoint is not
-            committed (half-written), truncated or corrupt, written by another runtime, holds
-            another model (the message names the keys and shapes), or the loader's global batch,
-            data set length, seed or shuffling differ from the saved ones.
+            committed (half-written), truncated or corrupt (a file whose SHA-256 differs from the
+            one recorded when it was written: flipped bytes, a file of another checkpoint; the
+            message names it), written by another runtime, holds another model (the message names
+            the keys and shapes), or the loader's global batch, data set length, seed or shuffling
+            differ from the saved ones.
         :raises FileNotFoundError: there is no directory at ``path``.
         """
         path, state = _checkpoints.check_load(path, state)
+        options: dict[str, Any] = {}
+        if strict is not True or keys is not None:
+            if not isinstance(strict, bool):
+                raise TypeError(f"Strategy.load(strict=) takes True or False. Received: {strict!r}.")
+            if state.get("model") is None:
+                raise TypeError("Strategy.load(strict=False / keys=) selects part of a model to load: pass model=.")
+            if keys is not None and not callable(keys):
+                patterns = [keys] if isinstance(keys, str) else keys
+                if not isinstance(patterns, (list, tuple)) or not patterns or not all(
+                        isinstance(p, str) for p in patterns):
+                    raise TypeError("Strategy.load(keys=) takes glob patterns over the model's state-dict names (a "
+                                    "str or a list of str, e.g. ['backbone.*']) or a predicate name -> bool. "
+                                    f"Received: {keys!r}.")
+                keys = list(patterns)
+            options = {"strict": strict, "keys": keys}
         metadata = _checkpoints.read_marker(path)
         session = self.session()
         if metadata.get("runtime") != session.runtime:
             raise CheckpointError(f"Strategy.load: {path!r} was written by the {metadata.get('runtime')!r} runtime; "
                                   f"this strategy runs on {session.runtime!r}. Load it with "
                                   f"Strategy(runtime={metadata.get('runtime')!r}).")
-        result = self._dispatch("load_checkpoint", state.get("model", state), path=path, state=state)
+        result = self._dispatch("load_checkpoint", state.get("model", state), path=path, state=state,
+                                options=options)
+        if options and _checkpoints.LOAD_REPORT not in result:
+            # A runtime that does not know partial loads loaded everything or refused: say which.
+            raise CheckpointError(f"Strategy.load(strict=False / keys=): the {session.runtime!r} runtime does not "
+                                  f"load part of a model; it loaded {path!r} whole. Load it without strict=/keys=.")
         return dict(result)
 
     def adapt(self, name: str, **kwargs: Any) -> Any:

@@ -49,11 +49,11 @@ class Topology:
     Every axis defaults to 1. At most one axis may be ``-1``: its size is inferred from the world
     size by :meth:`resolve`. Validation happens here, before any process group exists.
 
-    >>> t = Topology(data=2, tensor=2, pipeline=2)
-    >>> t.world_size, t.coords(5), t.rank_of(pipeline=1, data=0, tensor=1)
-    (8, {'pipeline': 1, 'data': 0, 'tensor': 1}, 5)
-    >>> t.groups("tensor")[:2]
-    [[0, 1], [2, 3]]
+        >>> t = Topology(data=2, tensor=2, pipeline=2)
+        >>> t.world_size, t.coords(5), t.rank_of(pipeline=1, data=0, tensor=1)
+        (8, {'pipeline': 1, 'data': 0, 'tensor': 1}, 5)
+        >>> t.groups("tensor")[:2]
+        [[0, 1], [2, 3]]
     """
 
     __slots__ = ("_sizes",)

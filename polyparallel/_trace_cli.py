@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from . import _trace_report
+from ._text import table
 
 __all__ = ["trace"]
 
@@ -24,7 +25,6 @@ def trace(directory: str, ranks: tuple[int, ...], last: int, as_json: bool) -> N
     polyparallel.launch(trace_dir=) or POLYPARALLEL_TRACE_DIR): one line per rank (why its trace was
     written), then a table aligning the ranks' collectives by axis and sequence number, one column
     per rank (`!` marks a row where the ranks differ or one is missing: the desync or the hang)."""
-    from .cli import _table  # deferred: cli imports this module
 
     try:
         traces = _trace_report.read_dir(directory)
@@ -53,12 +53,12 @@ def trace(directory: str, ranks: tuple[int, ...], last: int, as_json: bool) -> N
         click.echo(f"no trace from rank(s) {absent} of {world}: killed before writing, or another directory")
     header, rows = _trace_report.timeline(traces, last or None)
     click.echo("")
-    click.echo(_table(header, rows))
+    click.echo(table(header, rows))
     for rank in ranks:
         click.echo(f"\nrank {rank}:")
         entries = traces[rank]["entries"]
         t0 = min((e["t0"] for t in traces.values() for e in t["entries"]), default=0.0)
-        click.echo(_table(["t (s)", "ms", "axis", "#", "operation", "state", "caller", "detail"], [
+        click.echo(table(["t (s)", "ms", "axis", "#", "operation", "state", "caller", "detail"], [
             [f"{e['t0'] - t0:.3f}", _ms(e), e["axis"], "" if e.get("seq") is None else str(e["seq"]), e["operation"],
              e["state"] + (f": {e['error']}" if e.get("error") else ""), _full(e), (e.get("detail") or "")[:80]]
             for e in entries]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -13,10 +14,11 @@ from . import hookspecs
 from ._advisor import OPTIMIZER_STATES
 from ._advisor_cli import bench_comm as _bench_comm
 from ._advisor_cli import plan_model
-from ._errors import PolyparallelError, exception_summary
+from ._errors import PolyparallelError
 from ._manager import get_plugin_manager
 from ._routing import check_batch
 from ._strategy import Strategy
+from ._text import table
 from ._topology import AXES, Topology
 from ._trace_cli import trace
 
@@ -47,10 +49,15 @@ def cli() -> None:
 @click.option("--zero", type=click.IntRange(0, 3), default=None,
               help="sharding stage over the data axis (0-3; default 0); with --runtime, checked against what it runs; "
                    "with --model, only this stage is advised [default with --model: all]")
+@click.option("--precision", default=None, metavar="PRESET",
+              help="numeric precision ('32', 'bf16-mixed', 'bf16-true', 'fp16-mixed'); with --runtime, checked "
+                   "against what it runs")
+@click.option("--accumulate", type=click.IntRange(min=1), default=1, show_default=True,
+              help="micro-batches per optimizer step (the global --batch-size is micro-batch x accumulate x data)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of tables")
 @click.option("--model", default=None, metavar="MODULE:FACTORY",
               help="advise a topology for this model: estimate memory, communication and step time of every "
-                   "topology of --world ranks the installed runtimes accept (README: Choosing a topology)")
+                   "topology of --world ranks the installed runtimes accept (docs/operations/plan.md)")
 @click.option("--seq-len", type=int, default=None, help="with --model: sequence length handed to the model's inputs")
 @click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam", show_default=True,
               help="with --model: optimizer whose states are estimated (adam: 2 per parameter, momentum: 1, sgd: 0)")
@@ -60,8 +67,8 @@ def cli() -> None:
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="with --measure: seconds per candidate")
 @click.pass_context
 def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None, batch_size: int | None,
-         zero: int | None, model: str | None, seq_len: int | None, optimizer: str, measure: int, steps: int,
-         timeout: float, **sizes: int) -> None:
+         zero: int | None, precision: str | None, accumulate: int, model: str | None, seq_len: int | None,
+         optimizer: str, measure: int, steps: int, timeout: float, **sizes: int) -> None:
     """Show the rank grid, the groups of every axis and the rank roles; with --model, rank the
     topologies of --world ranks for that model."""
     if model is not None:
@@ -75,23 +82,37 @@ def plan(ctx: click.Context, world_size: int, as_json: bool, runtime: str | None
         return
     zero = zero or 0
     try:
-        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero)
+        strategy = Strategy(topology=Topology(**sizes), batch_size=batch_size, zero=zero, precision=precision,
+                            accumulate=accumulate)
         topology = strategy.topology.resolve(world_size)
         if runtime is not None:
             strategy.check(runtime, world_size=world_size)  # capabilities, runtime, batch size
         else:
-            check_batch(strategy.data_policy, topology, f"--batch-size {batch_size}")
+            check_batch(strategy.data_policy, topology, f"--batch-size {batch_size}", accumulate)
     except (PolyparallelError, ValueError) as exc:  # policies raise ValueError naming the field
         raise click.ClickException(str(exc)) from None
+    policy = strategy.precision
+    micro = batch_size // (topology.size("data") * accumulate) if batch_size else None
     if as_json:
-        click.echo(json.dumps({**topology.to_dict(), "zero": zero, **({"runtime": runtime} if runtime else {})}, indent=2))
+        extra = {"precision": {"name": policy.name, **policy.dtypes(), "loss_scaling": policy.loss_scaling}
+                 if policy is not None else None, "accumulate": accumulate,
+                 "batch_size": batch_size, "micro_batch_per_rank": micro}
+        click.echo(json.dumps({**topology.to_dict(), "zero": zero, **extra, **({"runtime": runtime} if runtime else {})},
+                              indent=2))
         return
     click.echo(f"{topology!r}  world size {topology.world_size}" + (f"  zero={zero}" if zero else "")
-               + (f"  (runs on {runtime!r})" if runtime else "") + "\n")
+               + (f"  (runs on {runtime!r})" if runtime else ""))
+    if policy is not None:
+        dtypes = ", ".join(f"{role} {dtype}" for role, dtype in policy.dtypes().items())
+        click.echo(f"precision {policy.name or 'custom'}: {dtypes}" + (", dynamic loss scaling" if policy.loss_scaling else ""))
+    if batch_size is not None or accumulate > 1:
+        click.echo(f"global batch {batch_size if batch_size is not None else '(the loaders)'} = "
+                   f"micro-batch {micro if micro is not None else '?'} x accumulate {accumulate} x data {topology.size('data')}")
+    click.echo("")
     header = ["rank", *AXES, "roles"]
     rows = [[str(r), *(str(topology.coords(r)[a]) for a in AXES), ", ".join(sorted(topology.roles(r))) or "-"]
             for r in range(topology.world_size)]
-    click.echo(_table(header, rows))
+    click.echo(table(header, rows))
     for axis in AXES:
         groups = topology.groups(axis)
         click.echo(f"\n{axis} groups ({len(groups)} of size {topology.size(axis)}): "
@@ -148,10 +169,10 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
              "; ".join(f"{c['target']}: {'/'.join(c['axes'])}" for c in r["capabilities"]) or "-",
              "; ".join(f"{c['target']}: {','.join(map(str, c['stages']))}" for c in r["capabilities"]) or "-"]
             for r in records if r["error"] is None]
-    click.echo(_table(["plugin", "version", "hooks", "adapters", "axes", "stages"], rows))
+    click.echo(table(["plugin", "version", "hooks", "adapters", "axes", "stages"], rows))
     if runtimes and not hook_name:
         click.echo("")
-        click.echo(_table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [
+        click.echo(table(["runtime", "plugin", "installed", "imported", "backends", "priority"], [
             [name, c.plugin, "yes" if not c.missing_imports() else f"no (needs {', '.join(c.missing_imports())})",
              "yes" if c.imported() else "no", ", ".join(sorted(c.backends)) or "-", str(c.priority)]
             for name, c in sorted(runtimes.items())]))
@@ -256,9 +277,17 @@ def _split_endpoint(endpoint: str) -> tuple[str | None, int | None]:
 @click.option("--nprocs", type=int, default=2, show_default=True, help="processes per framework")
 @_axis_options
 @click.option("--only", multiple=True, help="run only these demo entries (repeatable)")
-@click.option("--json", "as_json", is_flag=True, help="print JSON rows")
-def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> None:
-    """Train the demo problem with one Strategy through every installed plugin, side by side."""
+@click.option("--json", "as_json", is_flag=True, help="print JSON rows (with each entry's per-step losses)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="demo-output", show_default=True,
+              help="folder for the table (results.txt), the rows (results.json), the loss curves (loss-curves.png) "
+                   "and the frameworks' own output (demo-warnings.log)")
+@click.option("--show-output", is_flag=True, help="let the frameworks print their warnings and banners on the terminal "
+                                                  "instead of logging them to demo-warnings.log")
+def demo(nprocs: int, only: tuple[str, ...], as_json: bool, out_dir: str, show_output: bool, **sizes: int) -> None:
+    """Train the demo problem with one Strategy through every installed plugin, side by side: a
+    progress line per framework, the results table, and every framework's loss curve on one plot."""
+    from . import _demo_report
+
     entries: dict[str, Any] = {}
     get_plugin_manager().call("polyparallel_register_demos", register=lambda name, run: entries.__setitem__(name, run))
     if only:
@@ -273,46 +302,75 @@ def demo(nprocs: int, only: tuple[str, ...], as_json: bool, **sizes: int) -> Non
         strategy.topology.resolve(nprocs)
     except PolyparallelError as exc:
         raise click.ClickException(str(exc)) from None
-    rows, failed = [], False
-    for name, run in entries.items():
-        click.echo(f"running {name} on {nprocs} processes ...", err=True)
-        try:
-            row = dict(run(strategy, nprocs))
-        except Exception as exc:  # one framework failing must not hide the others' results
-            failed = True
-            row = {"framework": name, "topology": repr(strategy.topology.resolve(nprocs)), "error": exception_summary(exc, first_line=False)}
-        rows.append(row)
-    if as_json:
+    out = Path(out_dir)
+    reports = _demo_report.run_entries(entries, strategy, nprocs, out, show_output=show_output)
+    rows = [r.row for r in reports]
+
+    def fmt(v: Any, spec: str) -> str:
+        return format(v, spec) if isinstance(v, (int, float)) else str(v)
+    text = table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
+        [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
+         fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows])
+    _demo_report.write_results(rows, text, out)
+    title = f"polyparallel demo: one Strategy, {strategy.topology.resolve(nprocs)!r} on {nprocs} processes"
+    after = [_demo_report.draw_loss_curves(rows, out / _demo_report.PLOT_NAME, title),
+             f"table and rows: {out / _demo_report.TABLE_NAME}, {out / _demo_report.RESULTS_NAME}",
+             *_demo_report.summary_lines(reports, out, show_output)]
+    if as_json:  # stdout holds the JSON alone
+        for line in after:
+            click.echo(line, err=True)
         click.echo(json.dumps(rows, indent=2))
     else:
-        def fmt(v: Any, spec: str) -> str:
-            return format(v, spec) if isinstance(v, (int, float)) else str(v)
-        click.echo(_table(["framework", "topology", "final loss", "accuracy", "step time (ms)", "error"], [
-            [r["framework"], r["topology"], fmt(r.get("final_loss", "-"), ".4f"), fmt(r.get("accuracy", "-"), ".4f"),
-             fmt(r.get("step_time_ms", "-"), ".2f"), r.get("error", "")] for r in rows]))
-    if failed:
+        click.echo(text)
+        click.echo()
+        for line in after:
+            click.echo(line)
+    if any(r.failed for r in reports):
         sys.exit(1)
 
 
 @cli.group()
 def checkpoint() -> None:
-    """Look into checkpoints written by Strategy.save."""
+    """Look into (inspect) and consolidate (export) checkpoints written by Strategy.save."""
 
 
 @checkpoint.command("inspect")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print the metadata as JSON")
 @click.option("--no-tensors", is_flag=True, help="do not list the tensors")
-def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool) -> None:
+@click.option("--no-verify", is_flag=True, help="check the files' sizes only, not their SHA-256 (reads nothing)")
+def checkpoint_inspect(path: str, as_json: bool, no_tensors: bool, no_verify: bool) -> None:
     """What the checkpoint PATH holds (topology written at, progress, tensors and shapes), or
-    the checkpoints of the folder PATH. Exits 1 for a checkpoint that is not committed or whose
-    files do not match."""
+    the checkpoints of the folder PATH. Verifies every file against the size and SHA-256 recorded
+    when it was written. Exits 1 for a checkpoint that is not committed (a staging directory
+    included) or whose files do not match."""
     from ._checkpoint_info import describe, render
 
-    info = describe(path, tensors=not no_tensors)
+    info = describe(path, tensors=not no_tensors, verify=not no_verify)
     click.echo(json.dumps(info, indent=1, default=str) if as_json else render(info))
     if info["kind"] == "uncommitted" or "problem" in info:
         sys.exit(1)
+
+
+@checkpoint.command("export")
+@click.argument("path", type=click.Path(exists=True, file_okay=False))
+@click.option("--to", "to", type=click.Choice(["torch", "safetensors"]), required=True,
+              help="torch: model, optimizer and extras in one torch.load(weights_only=True) file; "
+                   "safetensors: the model's tensors")
+@click.option("-o", "--output", default=None, help="the file to write (default: PATH.pt / PATH.safetensors)")
+def checkpoint_export(path: str, to: str, output: str | None) -> None:
+    """Write the committed checkpoint PATH, written at any topology, as one consolidated file that
+    loads without polyparallel (after verifying every file's SHA-256)."""
+    import os
+
+    from ._checkpoint_export import export
+    from ._errors import CheckpointError
+
+    try:
+        written = export(path, to, output, plugin_manager=get_plugin_manager())
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {written} ({os.path.getsize(written)} bytes)")
 
 
 @cli.command("bench-comm")
@@ -330,12 +388,6 @@ def bench_comm(world: int, sizes: str, iters: int, timeout: float, as_json: bool
         raise click.BadParameter(f"expected integers separated by commas. Received: {sizes!r}.",
                                  param_hint="'--sizes'") from None
     _bench_comm(get_plugin_manager(), world, parsed, iters, timeout, as_json)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 cli.add_command(trace)  # polyparallel trace DIR (_trace_cli.py)

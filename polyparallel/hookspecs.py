@@ -7,9 +7,13 @@ adding keyword arguments.
 
 Routing. A *runtime* plugin (torch, JAX) declares its runtime with ``polyparallel_capabilities``;
 each strategy runs on one runtime, chosen once per process (``Strategy.resolve_runtime``) and
-handed to the hooks as ``session.runtime`` (``runtime=`` for ``process_info`` and ``launch``). A
-runtime's hooks answer only when it is that runtime, and return ``None`` otherwise. Plugins that
-are not runtimes (a data type of their own, an adapter) answer by the object's type.
+handed to the hooks as ``session.runtime`` (``runtime=`` for ``process_info`` and ``launch``). The
+core calls the hooks that concern a session or a launch (the five operations, the checkpoints,
+``process_info``, ``session_start``/``session_finish``, ``launch``) only on the plugins that serve
+its runtime (``PluginManager.served_runtimes``): the plugin that declared it, and the plugins that
+declare no runtime (a data type of their own, a wrapper), adapters only for the runtimes their
+``Capabilities(runtimes=)`` name. So a runtime's hooks never see another runtime's session and need
+no ``session.runtime`` guard; within a runtime a plugin answers by the object's type.
 
 The five operations are ``firstresult``: a plugin that does not own the object returns ``None``
 and the next plugin is asked; when nobody answers, the core raises
@@ -75,7 +79,11 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
 
     :param register: call ``register(name, run)`` where ``run(strategy, nprocs)`` trains the demo
         problem in ``nprocs`` processes and returns a dict with the keys ``framework``,
-        ``topology``, ``final_loss``, ``accuracy`` and ``step_time_ms``.
+        ``topology``, ``final_loss``, ``accuracy`` and ``step_time_ms``, and optionally ``losses``
+        (the global training loss of every step, in order) with ``epochs`` (how many epochs they
+        span), which the demo draws in its ``loss-curves.png``. While ``run`` runs, the process's
+        standard output and error go to the demo's log (``demo-warnings.log``): print nothing the
+        user must see; raise instead.
     :return: ignored.
     """
 
@@ -96,6 +104,24 @@ def polyparallel_register_advisors(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec(firstresult=True)
+def polyparallel_adapter_bridge(adapter: str, obj: Any) -> Any:
+    """Help another plugin's adapter with an object this plugin owns. Stops at first non-None result.
+
+    Adapters import no other adapter. When one meets an object it cannot drive itself (the
+    Ignite adapter's ``create_supervised_trainer`` handed a DeepSpeed engine, which steps its own
+    optimizer), it asks through ``PluginManager.bridge(adapter, obj)``, and the plugin that owns
+    the object answers with what the asking adapter documents it needs (Ignite:
+    ``create_trainer(model, loss_fn, device, **kwargs)`` and ``create_evaluator(model, metrics,
+    device, **kwargs)``, each returning an ignite ``Engine``).
+
+    :param adapter: the name of the asking adapter (``"ignite"``).
+    :param obj: the object it was handed.
+    :return: the bridge (any object offering what that adapter documents), or ``None`` when this
+        plugin does not own ``obj`` or has no bridge to ``adapter``.
+    """
+
+
 # -------------------------------------------------------------------------------------------------
 # lifecycle: processes and per-process runtime state
 # -------------------------------------------------------------------------------------------------
@@ -107,7 +133,7 @@ def polyparallel_process_info(strategy: Strategy, runtime: str | None) -> Proces
 
     The core's own implementation (``trylast``) reads the launcher's environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``; rank 0 of 1 when unset). A runtime whose ranks are not
-    processes (JAX: devices) answers for its own runtime only.
+    processes (JAX: devices) answers; the core asks only the plugins that serve ``runtime``.
 
     :param strategy: the strategy whose session is being created.
     :param runtime: the runtime the session will run on (``None``: no runtime is installed).
@@ -120,7 +146,8 @@ def polyparallel_session_start(session: Session) -> None:
     """A per-process session was created for a strategy (topology resolved and validated).
 
     Runtimes set up their process groups lazily, on their first operation; this hook is for
-    plugins that must observe every session (logging, tracing).
+    plugins that must observe every session (logging, tracing). When one raises, the session is
+    closed (``polyparallel_session_finish``, its finalizers) and not kept, and the error propagates.
 
     :param session: the new :class:`~polyparallel.Session`.
     :return: ignored.
@@ -131,6 +158,10 @@ def polyparallel_session_start(session: Session) -> None:
 def polyparallel_session_finish(session: Session) -> None:
     """A session is being closed (explicitly, or at interpreter exit). Release resources here or
     through ``session.add_finalizer``.
+
+    Also called when a ``polyparallel_session_start`` hook raised: that session is closed and
+    forgotten (the next use makes a new one and runs the start hooks again), so a finish hook
+    may see a session whose start it never saw.
 
     :param session: the closing :class:`~polyparallel.Session`.
     :return: ignored.
@@ -152,7 +183,7 @@ def polyparallel_launch(
     :param strategy: the strategy; its topology was already resolved against ``nprocs`` and
         checked against ``runtime``'s capabilities. Pickle it into the processes as it is: it
         carries the runtime choice.
-    :param runtime: the runtime chosen for the strategy; answer only if it is yours.
+    :param runtime: the runtime chosen for the strategy (only the plugins that serve it are asked).
     :param nprocs: number of processes on this machine.
     :param args: positional arguments for ``fn``.
     :param kwargs: keyword arguments for ``fn``.
@@ -191,8 +222,8 @@ def polyparallel_shard_data(strategy: Strategy, session: Session, data: Any, pol
     is handled); shuffling is deterministic from ``(strategy.seed, epoch)``.
 
     :param strategy: the strategy.
-    :param session: this process's session (rank, resolved topology, ``runtime``, stash). A runtime
-        plugin answers only when ``session.runtime`` is its runtime.
+    :param session: this process's session (rank, resolved topology, ``runtime``, stash). Only the
+        plugins that serve ``session.runtime`` are asked.
     :param data: a data set or loader of some framework.
     :param policy: the :class:`~polyparallel.DataPolicy` with per-call overrides applied.
     :return: the sharded object, or ``None`` if this plugin does not own ``data``'s type.
@@ -213,7 +244,7 @@ def polyparallel_wrap_model(strategy: Strategy, session: Session, model: Any, op
     Pipeline axis: split into stages.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param model: a model of some framework.
     :param options: keyword arguments given to ``Strategy.wrap_model`` (e.g. ``plan``).
     :return: the wrapped model, or ``None`` if this plugin does not own ``model``'s type.
@@ -232,7 +263,7 @@ def polyparallel_sync_grads(strategy: Strategy, session: Session, target: Any) -
     Where a wrapper already reduced them (DDP), this is a documented no-op that still answers.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param target: a model, or gradients (a pytree) of some framework.
     :return: the synced target (gradients for a pytree; the model for a model), or ``None`` if
         this plugin does not own ``target``'s type.
@@ -253,7 +284,7 @@ def polyparallel_reduce_metrics(strategy: Strategy, session: Session, metrics: d
     this raise :class:`~polyparallel.CollectiveTimeout` naming the operation, axis and rank.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param metrics: name -> value (numbers, tensors/arrays of a runtime, ``Mean``).
     :return: name -> reduced float (or tensor/array for tensor/array inputs), or ``None`` if
         this plugin does not own the values' types.
@@ -265,7 +296,7 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
     """Synchronise state collections per ``strategy.state_policy``. Stops at first non-None result.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param states: a model (its buffers and parameters) or a mapping of named state collections.
     :return: the synced states, or ``None`` if this plugin does not own ``states``' type.
     """
@@ -277,7 +308,8 @@ def polyparallel_sync_states(strategy: Strategy, session: Session, states: Any) 
 
 
 @hookspec(firstresult=True)
-def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any]) -> Any:
+def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
     """Write one training state as a checkpoint directory (``Strategy.save``). Stops at first non-None result.
 
     Every rank calls it with the same ``path``. The checkpoint must be portable: loadable at any
@@ -286,11 +318,11 @@ def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str
     ``path`` (with the commit marker of :mod:`polyparallel._checkpoints`, whose JSON metadata
     ``polyparallel checkpoint inspect`` and :func:`polyparallel.latest_checkpoint` read) only
     after every rank finished, so a job killed while saving never leaves a half-written
-    checkpoint under ``path``. A runtime answers only for its own ``session.runtime``; an
+    checkpoint under ``path``. The session's runtime answers (the core asks no other runtime); an
     adapter plugin may answer first for objects of its framework.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param path: the checkpoint directory to publish (absolute; its parent exists or is made).
     :param state: what to save, as given to ``Strategy.save`` and checked by the core: the
         objects ``model``, ``optimizer`` and ``loader`` (a loader ``Strategy.shard_data``
@@ -298,13 +330,19 @@ def polyparallel_save_checkpoint(strategy: Strategy, session: Session, path: str
         default the runtime) and the user's extras (name -> numbers, strings, booleans, ``None``,
         lists/dicts of them, or tensors/arrays of the runtime; refuse any other object).
         Save the runtime's RNG states per rank as well.
-    :return: the published path (a ``str``), or ``None`` if this plugin does not own the state.
+    :param options: ``{"asynchronous": bool}`` (``Strategy.async_save``: return a
+        ``concurrent.futures.Future`` of the published path once the state is staged, and commit
+        in the background). An implementation that does not declare ``options`` (pluggy passes
+        only the arguments an implementation names) saves synchronously; the core then returns a
+        finished future.
+    :return: the published path (a ``str``) or, asynchronously, a future of it; or ``None`` if
+        this plugin does not own the state.
     """
 
 
 @hookspec(firstresult=True)
 def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     """Restore a checkpoint written by ``polyparallel_save_checkpoint`` (``Strategy.load``). Stops at first non-None result.
 
     Restores ``state``'s objects in place, resharding to this strategy's topology, and this
@@ -316,11 +354,34 @@ def polyparallel_load_checkpoint(strategy: Strategy, session: Session, path: str
     The core already checked that ``path`` is committed and was written by this runtime.
 
     :param strategy: the strategy.
-    :param session: this process's session (answer only for your runtime: ``session.runtime``).
+    :param session: this process's session (only the plugins that serve ``session.runtime`` are asked).
     :param path: the committed checkpoint directory (absolute).
     :param state: the objects to restore in place: ``model``, ``optimizer``, ``loader``.
+    :param options: empty, or a partial load of the model asked explicitly: ``{"strict": bool,
+        "keys": glob patterns | predicate | None}``; answer it with the result's ``load_report``
+        (``loaded``, ``missing``, ``unexpected``, ``mismatched``, ``excluded``), or refuse it
+        (a ``CheckpointError``) before loading anything. Never load part of a model otherwise.
     :return: ``{"epoch": int | None, "step": int | None, "global_step": int | None, **extras}``
         (progress of the saved loader: the epoch to continue, the batches of it already consumed,
         the batches consumed since the loader was made; ``None`` when saved without ``loader=``),
         or ``None`` if this plugin does not own the state.
+    """
+
+
+@hookspec(firstresult=True)
+def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str, output: str) -> str | None:
+    """Write the committed checkpoint ``path`` as one consolidated file (``polyparallel checkpoint
+    export``), loadable without polyparallel. Stops at first non-None result.
+
+    Runs in one process, without a strategy: gather every shard (whatever topology wrote it) and
+    write ``output`` in the format ``to`` (``"torch"``: a ``torch.load(weights_only=True)``-able
+    dict; ``"safetensors"``: the model's tensors, :func:`polyparallel._checkpoint_export.write_safetensors`).
+    The core has verified the files already (sizes and SHA-256), and asks only the plugins that
+    serve the runtime that wrote the checkpoint (``metadata["runtime"]``).
+
+    :param path: the committed checkpoint directory (absolute).
+    :param metadata: its commit marker's metadata (:func:`polyparallel._checkpoints.read_marker`).
+    :param to: ``"torch"`` or ``"safetensors"``.
+    :param output: the file to write (absolute; write it whole or not at all: a temporary name, then a rename).
+    :return: the path written, or ``None`` if this plugin does not export this runtime's checkpoints.
     """

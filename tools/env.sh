@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
-# Create (or refresh) the project's virtual environment in .venv with everything the demo and
-# the tests need. Sourced by tools/test.sh and tools/demo.sh; safe to run again (a stamp of the
-# dependency files skips the install when nothing changed).
+# Create (or refresh) the project's virtual environment in .venv with everything the demo, the
+# tests and the documentation site need. Sourced by tools/test.sh, tools/demo.sh and tools/docs.sh;
+# safe to run again (a stamp of the dependency files skips the install when nothing changed).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${POLYPARALLEL_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
+# The versions the suite was tested with (tools/constraints.txt, written by tools/freeze.sh), so a
+# fresh clone installs what CI tested. POLYPARALLEL_CONSTRAINTS= (empty) installs the newest
+# releases pyproject.toml admits instead (use another POLYPARALLEL_VENV for that: CONTRIBUTING.md).
+CONSTRAINTS="${POLYPARALLEL_CONSTRAINTS-$ROOT/tools/constraints.txt}"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 STAMP="$VENV/.polyparallel-stamp"
-WANT="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_party_plugin/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat "$ROOT/pyproject.toml" "$ROOT/tools/env.sh" "$ROOT/examples/third_party_plugin/pyproject.toml"
+          echo "constraints: ${CONSTRAINTS:-none}"; [ -z "$CONSTRAINTS" ] || cat "$CONSTRAINTS") | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
     PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+    [ -z "$CONSTRAINTS" ] || PIP+=(-c "$CONSTRAINTS")
     # torch first, pinned to the CPU wheel this machine serves locally; later installs of
     # "torch>=2.13,<2.14" are then satisfied and download nothing.
     "${PIP[@]}" "torch==2.13.0"
     # DeepSpeed (extra `deepspeed`) installs as pure Python: DS_BUILD_OPS=0 builds no op now; the
     # one op the CPU path needs (shared-memory collectives) is compiled on first use and cached in
     # TORCH_EXTENSIONS_DIR (below). Set for this install only.
-    DS_BUILD_OPS=0 "${PIP[@]}" -e "$ROOT[all,test]" -e "$ROOT/examples/third_party_plugin"
+    DS_BUILD_OPS=0 "${PIP[@]}" -e "$ROOT[all,test,docs]" -e "$ROOT/examples/third_party_plugin"
     # fastai requires torchvision, and PyPI's torchvision is built against PyPI's CUDA torch: next
     # to the CPU wheel above its operators cannot load, and importing it raises ("operator
     # torchvision::nms does not exist") — which breaks `import pytorch_lightning` (torchmetrics

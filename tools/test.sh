@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: creates .venv, installs, then runs the linter (ruff),
-# the type checker (mypy) and pytest. All three run; the script fails if any of them failed.
+# the type checker (mypy), the layer contracts (lint-imports: pyproject.toml's [tool.importlinter]),
+# the documentation site's strict build (tools/docs.sh) and pytest (tests/docs runs the docs' code
+# blocks). All of them run; the script fails if any of them failed.
 #   bash tools/test.sh                 # default suite
 #   bash tools/test.sh --runslow       # include tests marked slow
 #   bash tools/test.sh tests/core -k topology   # any pytest arguments (lint and types still run)
@@ -16,6 +18,10 @@ echo "== ruff check"
 ruff check . || failed+=(ruff)
 echo "== mypy"
 mypy || failed+=(mypy)
+echo "== lint-imports (layers: the core imports no plugin, runtimes no adapter, adapters not each other; no cycles)"
+lint-imports --no-cache | sed -n "/^Contracts/,\$p" || failed+=(lint-imports)  # pipefail: lint-imports decides
+echo "== docs (mkdocs build --strict: links, anchors, snippets, API reference; tools/docs.sh)"
+MKDOCS=mkdocs bash "$ROOT/tools/docs.sh" --quiet || failed+=(docs)
 echo "== pytest"
 whole_suite=0
 if [ "$#" -eq 0 ] || [[ "$1" == -* ]]; then

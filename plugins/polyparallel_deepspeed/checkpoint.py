@@ -1,8 +1,27 @@
 """``strategy.save(path, model=engine)`` / ``strategy.load(path, model=engine)`` of a DeepSpeed
-engine, in the torch runtime's checkpoint format (:mod:`polyparallel_torch.checkpoint`: the same
-DCP files, per-rank JSON, commit marker and atomic publish), so that a checkpoint written by
-DeepSpeed at any ZeRO stage or with a pipeline loads into FSDP2 or DDP at another data size, into
-Lightning or Ignite, or into a plain module in one process, and the other way round.
+engine, in the torch runtime's checkpoint format (:mod:`polyparallel_torch.checkpoint`, format
+version 2), so that a checkpoint written by DeepSpeed at any ZeRO stage or with a pipeline loads
+into FSDP2 or DDP at another data size, into Lightning or Ignite, or into a plain module in one
+process, and the other way round.
+
+This module only converts: the engine's state becomes a
+:class:`polyparallel_torch.checkpoint.StateDicts` (full tensors under the plain module's names),
+and the torch runtime's ``save`` / ``load`` do the rest exactly as for its own models: every file
+hashed while written, the save id, the agreements (a failure on any rank, such as a full disk, is
+the same ``CheckpointError`` on every rank and the staging directory is removed), the marker
+listing the tensors, the commit. Hence also, with nothing of their own here:
+
+- ``strategy.async_save(path, model=engine, ...)``: the gathered copies are staged by DCP and
+  written and committed in the background; the engine may train on at once (a later save or load
+  waits for it). ``pp.CheckpointManager(strategy, dir, keep=N, asynchronous=...)`` saves and
+  restores an engine through these.
+- ``polyparallel checkpoint export``: a DeepSpeed checkpoint is a torch checkpoint (runtime
+  ``torch``, framework ``deepspeed``); its export holds the weights, the optimizer state and the
+  extra ``"deepspeed"``.
+- partial loads, ``strategy.load(path, model=engine, keys=[...])`` or ``strict=False``: the
+  selected parameters and buffers only (the rest keeps its values; ``load_report`` as for any
+  model). The optimizer is refused with them (before its state is touched), and the engine's
+  counters and LR scheduler are not restored (their extra comes back in the result).
 
 What a DeepSpeed checkpoint holds, under the names a plain module would have (no ``module.``
 prefix; a pipeline stage's layers under their index in the unsplit ``nn.Sequential``):
@@ -229,8 +248,10 @@ def _engine_extra(engine: Any) -> dict[str, Any]:
             "lr_scheduler": None if scheduler is None else scheduler.state_dict()}
 
 
-def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
-    """The DeepSpeed plugin's ``polyparallel_save_checkpoint`` for ``model=engine``."""
+def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[str, Any] | None = None) -> Any:
+    """The DeepSpeed plugin's ``polyparallel_save_checkpoint`` for ``model=engine``: the path, or
+    with ``options={"asynchronous": True}`` (``Strategy.async_save``) the torch runtime's future
+    once the gathered copies are staged (the engine may train on at once)."""
     from polyparallel_torch import checkpoint as torch_checkpoint
 
     where = "Strategy.save"
@@ -262,7 +283,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
                                      "strategy.shard_data made with a batch size, or save without loader=.") from None
     converted = engine_state(engine, with_optimizer, where)
     state.setdefault("framework", "deepspeed")
-    return torch_checkpoint.save(strategy, path, {**state, "model": converted, ENGINE_EXTRA: extra})
+    return torch_checkpoint.save(strategy, path, {**state, "model": converted, ENGINE_EXTRA: extra}, options)
 
 
 # -- load ----------------------------------------------------------------------------------------------
@@ -387,10 +408,12 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _apply(engine: Any, layout: _Layout, converted: Any, path: str) -> None:
-    """Put the values read into the engine: local copies only (no collective)."""
+    """Put the values read into the engine (those of ``converted.loaded``: all, or a partial
+    load's selection): local copies only (no collective)."""
     from deepspeed.utils import safe_set_full_optimizer_state, safe_set_local_optimizer_state
 
-    entries = _entries(engine)
+    loaded = set(converted.model if converted.loaded is None else converted.loaded)
+    entries = [(name, tensor) for name, tensor in _entries(engine) if name in loaded]
     optim = converted.optim
     per_element, scalar = _state_keys(layout, "Strategy.load") if optim is not None else ([], [])
     states, hyper = _group_values(layout, optim, entries, scalar, path) if optim is not None else ({}, {})
@@ -431,17 +454,30 @@ def _apply(engine: Any, layout: _Layout, converted: Any, path: str) -> None:
             params[key] = tuple(value) if isinstance(params.get(key), tuple) else value
 
 
-def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSpeed plugin's ``polyparallel_load_checkpoint`` for ``model=engine``."""
+def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The DeepSpeed plugin's ``polyparallel_load_checkpoint`` for ``model=engine``; ``options``:
+    a partial load (``strict``/``keys``) of the engine's weights, answered by the torch runtime's
+    selection and ``load_report``. A partial load restores the selected parameters and buffers
+    only: not the optimizer (refused, as for any model), nor the engine's counters and LR
+    scheduler (their extra ``"deepspeed"`` is returned, not applied)."""
     from polyparallel_torch import checkpoint as torch_checkpoint
 
     where = "Strategy.load"
+    options = dict(options or {})
+    partial = options.get("strict", True) is not True or options.get("keys") is not None
     engine, optimizer = state["model"], state.get("optimizer")
+    if partial and optimizer is not None:
+        # Refused before _targets creates the optimizer's state (the torch runtime refuses it too, later).
+        raise _refuse(where, "a partial load (strict=False / keys=) restores the model's weights only, not the "
+                             "optimizer's state (it belongs to the whole saved model). Load without optimizer= "
+                             "and let the engine's optimizer start fresh for the fine-tuning.")
     layout = _layout(engine, where)
     with_optimizer = _check_optimizer(engine, optimizer, layout, where)
     converted = _targets(engine, layout, with_optimizer, where)
-    result = torch_checkpoint.load(strategy, path, {"model": converted, "loader": state.get("loader")})
+    result = torch_checkpoint.load(strategy, path, {"model": converted, "loader": state.get("loader")}, options)
     _apply(engine, layout, converted, path)
+    if partial:
+        return result
     extra = result.pop(ENGINE_EXTRA, None)
     if isinstance(extra, dict):
         for key in _COUNTERS:

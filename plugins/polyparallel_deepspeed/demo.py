@@ -10,6 +10,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
+from polyparallel_torch.demo import step_loss_metrics, with_step_losses
 
 __all__ = ["DEMO_STAGE", "demo_strategy", "run_demo", "train_digits"]
 
@@ -41,6 +42,8 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
     pipeline = strategy.topology.size("pipeline") != 1
     loader = strategy.shard_data(train, remainder="pad")
     step_times, last = [], pp.Mean(0.0, 0)
+    step_sums: list[float] = []  # this rank's loss x samples of every step, and the samples
+    step_counts: list[int] = []
     for _ in range(p.epochs):
         total, count = 0.0, 0
         for x, y in loader:
@@ -52,7 +55,9 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
                 engine.backward(loss)
                 engine.step()
             step_times.append(time.perf_counter() - start)
-            total += loss.item() * len(y)
+            step_sums.append(loss.item() * len(y))
+            step_counts.append(len(y))
+            total += step_sums[-1]
             count += len(y)
         last = pp.Mean(total, count)
     eval_loader = strategy.shard_data(test, remainder="uneven", shuffle=False)
@@ -70,8 +75,9 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
             seen += len(y)
     if "metrics" not in strategy.session().roles:
         return None
-    return strategy.reduce_metrics({"final_loss": last, "accuracy": pp.Mean(correct, seen),
-                                    "step_time_ms": 1000 * statistics.median(step_times)})
+    return with_step_losses(strategy.reduce_metrics({"final_loss": last, "accuracy": pp.Mean(correct, seen),
+                                                     "step_time_ms": 1000 * statistics.median(step_times),
+                                                     **step_loss_metrics(step_sums, step_counts)}), p.epochs)
 
 
 def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
 
 @hookimpl(tryfirst=True)
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
-    if session.runtime != "torch" or not is_engine(states):
+    if not is_engine(states):
         return None
     from polyparallel_torch.runtime import get_runtime
     from polyparallel_torch.states import sync
@@ -65,10 +65,11 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
     return states
 
 
-def _engine_or_refuse(session: pp.Session, model: Any, operation: str) -> bool:
-    """Whether this plugin answers for ``model`` (a DeepSpeed engine, on the torch runtime); a
-    ZeRO-3 ``engine.module`` is refused, its tensors being placeholders without the engine."""
-    if session.runtime != "torch" or "deepspeed" not in sys.modules:
+def _engine_or_refuse(model: Any, operation: str) -> bool:
+    """Whether this plugin answers for ``model`` (a DeepSpeed engine; the core asks this plugin on
+    torch sessions only, the runtime its adapter declares); a ZeRO-3 ``engine.module`` is refused,
+    its tensors being placeholders without the engine."""
+    if "deepspeed" not in sys.modules:
         return False
     if is_engine(model):
         return True
@@ -82,23 +83,37 @@ def _engine_or_refuse(session: pp.Session, model: Any, operation: str) -> bool:
 
 
 @hookimpl(tryfirst=True)
-def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
-    # A DeepSpeed engine is saved in the torch runtime's format (see polyparallel_deepspeed.checkpoint).
-    if not _engine_or_refuse(session, state.get("model"), "save"):
+def polyparallel_save_checkpoint(strategy: pp.Strategy, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
+    # A DeepSpeed engine is saved in the torch runtime's format (see polyparallel_deepspeed.checkpoint),
+    # asynchronously too (options={"asynchronous": True}: Strategy.async_save).
+    if not _engine_or_refuse(state.get("model"), "save"):
         return None
     from .checkpoint import save
 
-    return save(strategy, path, state)
+    return save(strategy, path, state, options)
 
 
 @hookimpl(tryfirst=True)
-def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
-    if not _engine_or_refuse(session, state.get("model"), "load"):
+def polyparallel_load_checkpoint(strategy: pp.Strategy, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> dict[str, Any] | None:
+    # options: a partial load of the engine's weights (strict=False / keys=), or empty.
+    if not _engine_or_refuse(state.get("model"), "load"):
         return None
     from .checkpoint import load
 
-    return load(strategy, path, state)
+    return load(strategy, path, state, options)
+
+
+@hookimpl
+def polyparallel_adapter_bridge(adapter: str, obj: Any) -> Any:
+    # The Ignite adapter's create_supervised_trainer/evaluator handed an engine: ignite engines
+    # that step it (the Ignite adapter does not import this plugin; adapters stay independent).
+    if adapter != "ignite" or not is_engine(obj):
+        return None
+    from . import ignite
+
+    return ignite
 
 
 @hookimpl

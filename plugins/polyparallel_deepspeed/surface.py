@@ -40,8 +40,8 @@ CHECKPOINT = _T + "test_checkpoint.py::test_round_trips_at_every_zero_stage_and_
 # The reasons (what is wrong, and what to do instead).
 UNTESTED = ("not tested by polyparallel against a single-process run; leave it out, or call deepspeed.initialize "
             "yourself for it")
-PRECISION = ("mixed precision is not run by the adapter yet (a Strategy precision policy is upcoming): the engine "
-             "trains in fp32; leave it out")
+PRECISION = ("mixed precision is not run by the adapter yet (it declares Strategy(precision='32') only, and refuses "
+             "other precisions before launch): the engine trains in fp32; leave it out")
 OFFLOAD = ("ZeRO-Offload is not tested here, and partitions swapped to host/NVMe cannot be checkpointed by "
            "strategy.save; leave it out")
 PARALLEL = ("parallelism comes from the Strategy's topology (the adapter runs the data and pipeline axes); set the "

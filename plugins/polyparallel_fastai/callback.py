@@ -28,11 +28,28 @@ event                  what the callback does
                        :mod:`polyparallel_fastai.placement`); nothing else stays changed
 =====================  ==========================================================================
 
-``learn.get_preds`` is not sharded: every rank predicts every sample, so it returns all the
-predictions in the loader's order, as in one process.
+``learn.get_preds`` (and ``predict``, ``tta``, ``show_results``, ``Interpretation``) is not
+sharded: every rank predicts every sample, so it returns all the predictions in the loader's
+order, as in one process. While attached, ``learn.to_detach`` never gathers: fastai's own
+(``maybe_gather``) all-gathers every batch over the whole ``WORLD_SIZE`` world, unbounded, which
+gave ``get_preds`` every batch twice.
 
-While attached, ``learn.save`` and ``learn.load`` are the callback's :meth:`~ParallelCallback.save`
-and :meth:`~ParallelCallback.load` (collective: call them on every rank). They keep fastai's own
+Before anything runs (``before_fit``, and ``before_validate`` of a ``validate``/``get_preds``), a
+callback or metric the adapter refuses (:mod:`polyparallel_fastai.surface`: fastai's own
+``DistributedTrainer``, loggers whose packages are not tested, ...) raises ``TypeError`` naming
+it, why, and what to do instead. fastai's callbacks that decide per batch or save per rank
+(``LRFinder``, ``TerminateOnNaNCallback``, ``GradientAccumulation``, ``ModelResetter``,
+``CSVLogger``) are made collective-safe for the fit (:mod:`polyparallel_fastai.everyday`).
+On ranks without the ``logger`` role, ``fit``, ``show_results`` and ``show_training_loop`` print nothing (progress bars,
+tables and the trackers' messages appear once per job).
+
+BatchNorm layers normalise each rank's share of the global batch during training; the running
+statistics are averaged before validation (``StatePolicy``). Training with BatchNorm therefore
+differs from one process with the same global batch (the logger rank warns once per fit).
+
+While attached, ``learn.save``, ``learn.load`` and ``learn.export`` are the callback's
+:meth:`~ParallelCallback.save`, :meth:`~ParallelCallback.load` and
+:meth:`~ParallelCallback.export` (collective: call them on every rank). They keep fastai's own
 file rather than a polyparallel checkpoint (``strategy.save``): fastai's optimizer is not a
 ``torch.optim.Optimizer`` (the DCP checkpoint restores those by parameter name), every rank holds
 a full replica (data axis only), so one file is the whole model and loads at any data size, and
@@ -42,7 +59,6 @@ the callback also runs on XLA, where ``torch.distributed.checkpoint`` does not a
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,7 +70,10 @@ from fastai.torch_core import find_bs, to_detach
 
 import polyparallel as pp
 
+from . import everyday as _everyday
+from . import files as _files
 from . import metrics as _metrics
+from . import surface as _surface
 from .data import is_fastai_loader, local_to_detach
 from .placement import Placement
 
@@ -141,7 +160,7 @@ class ParallelCallback(Callback):
         error: BaseException | None = None
         if "checkpoint" in self.session.roles:
             try:
-                _write(path, learn, with_opt, pickle_protocol)
+                _files.write_model(path, learn, with_opt, pickle_protocol)
             except Exception as exc:  # reported to every rank below, then re-raised here
                 error = exc
         # A barrier that also says whether the file was written (0 on a failed writer).
@@ -152,10 +171,12 @@ class ParallelCallback(Callback):
             raise RuntimeError(f"learn.save({str(file)!r}): the checkpoint rank failed to write {path}; see its error.")
         return path
 
-    def load(self, file: str | Path, device: Any = None, with_opt: bool = True, strict: bool = True) -> Learner:
+    def load(self, file: str | Path, device: Any = None, with_opt: bool = True, strict: bool = True,
+             **torch_load_kwargs: Any) -> Learner:
         """``learn.load``: every rank reads the file the checkpoint rank wrote (after a barrier,
         as fastai's own ``load``, which waits on the whole ``torch.distributed`` world instead),
-        onto the device of its model (``device=`` to override)."""
+        onto the device of its model (``device=`` to override). Other keyword arguments go to
+        ``torch.load``, as fastai's (``SaveModelCallback`` passes ``weights_only=False``)."""
         from fastai.learner import join_path_file
 
         learn = self._learner("load")
@@ -164,9 +185,53 @@ class ParallelCallback(Callback):
         path = join_path_file(file, learn.path / learn.model_dir, ext=".pth")
         _metrics.summing(self.strategy).reduce_metrics({"fastai.load.barrier": 1.0})
         # Read onto the CPU; load_state_dict copies into the parameters wherever they live.
-        _load_model(path, learn.model, learn.opt, with_opt=with_opt, device="cpu" if device is None else device,
-                    strict=strict)
+        _files.load_model(path, learn.model, learn.opt, with_opt=with_opt, device="cpu" if device is None else device,
+                    strict=strict, **torch_load_kwargs)
         return learn
+
+    def export(self, fname: str | Path = "export.pkl", pickle_module: Any = None, pickle_protocol: int = 2) -> Path:
+        """``learn.export``: the Learner for inference (fastai's format, ``load_learner`` reads
+        it), written once by the rank with the ``checkpoint`` role, without this callback (the
+        exported Learner is a plain one-process Learner). Collective: every rank returns once
+        the file is complete, or raises if the writing rank failed."""
+        learn = self._learner("export")
+        path = Path(learn.path) / fname
+        error: BaseException | None = None
+        if "checkpoint" in self.session.roles:
+            try:
+                _files.export_learner(learn, self, path, pickle_module, pickle_protocol)
+            except Exception as exc:  # reported to every rank below, then re-raised here
+                error = exc
+        failed = _metrics.summing(self.strategy).reduce_metrics({"fastai.export.failed": float(error is not None)})
+        if error is not None:
+            raise error
+        if failed["fastai.export.failed"]:
+            raise RuntimeError(f"learn.export({str(fname)!r}): the checkpoint rank failed to write {path}; see its error.")
+        return path
+
+    def to_detach(self, b: Any, cpu: bool = True, gather: bool = True) -> Any:
+        """``learn.to_detach`` that never gathers (see the module docstring): what a callback
+        collects (``get_preds``, metrics) is this rank's; the adapter reduces metrics itself."""
+        learn = self._learner("to_detach")
+        return type(learn).to_detach(learn, b, cpu, False)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Any:
+        """``learn.fit``, silent on ranks without the ``logger`` role."""
+        learn = self._learner("fit")
+        with _everyday.quiet(self.session):
+            return type(learn).fit(learn, *args, **kwargs)
+
+    def show_training_loop(self) -> None:
+        """``learn.show_training_loop``, silent on ranks without the ``logger`` role."""
+        learn = self._learner("show_training_loop")
+        with _everyday.quiet(self.session):
+            type(learn).show_training_loop(learn)
+
+    def show_results(self, *args: Any, **kwargs: Any) -> Any:
+        """``learn.show_results``, silent on ranks without the ``logger`` role."""
+        learn = self._learner("show_results")
+        with _everyday.quiet(self.session):
+            return type(learn).show_results(learn, *args, **kwargs)
 
     def _learner(self, what: str) -> Learner:
         learn = self.__dict__.get("learn")
@@ -178,10 +243,14 @@ class ParallelCallback(Callback):
     def before_fit(self) -> None:
         learn, state = self.learn, self._state
         recorder = getattr(learn, "recorder", None)
-        _metrics.check_supported(list(learn.metrics))  # before any collective, alike on every rank
+        # Before any collective, alike on every rank: refused callbacks and metrics.
+        _surface.check_callbacks(learn.cbs)
+        _metrics.check_supported(list(learn.metrics))
         if _is_ddp(learn.model):
             raise TypeError("the fastai adapter wraps the model itself (strategy.wrap_model); the Learner's model is "
                             "already DistributedDataParallel: give the Learner the bare module.")
+        state.adjustments = _everyday.adjust(learn, self.strategy, self.session)
+        _everyday.warn_batchnorm(learn.model, self.session)
         state.inner = learn.model
         state.placement = Placement(learn.model)
         learn.model = self.strategy.wrap_model(learn.model)
@@ -201,6 +270,19 @@ class ParallelCallback(Callback):
         state = self._state
         state.losses, state.sizes = [], []
         state.smooth_start = (smooth.count, smooth.val.clone()) if smooth is not None else None
+
+    def after_loss(self) -> None:
+        """With a callback that decides on each batch's loss (LRFinder, TerminateOnNaN): the
+        global batch loss, count-weighted, in ``learn.loss`` (``loss_grad`` stays this rank's)."""
+        adjustments = self._state.adjustments
+        if adjustments is None or not adjustments.global_batch_loss or not self.training:
+            return
+        learn = self.learn
+        local = learn.loss.detach().double().mean()
+        summed = _metrics.summing(self.strategy).reduce_metrics(
+            {"fastai.batch_loss": float(local) * find_bs(learn.yb), "fastai.batch_size": float(find_bs(learn.yb))})
+        value = summed["fastai.batch_loss"] / summed["fastai.batch_size"]
+        learn.loss = torch.tensor(value, dtype=learn.loss.dtype, device=learn.loss.device)
 
     def after_batch(self) -> None:
         if self.training and len(self.learn.yb):
@@ -227,20 +309,37 @@ class ParallelCallback(Callback):
             _replay_smooth_loss(smooth, state.smooth_start, global_losses, recorder, self.learn)
 
     def before_validate(self) -> None:
+        if self._state.inner is None:  # validate/get_preds outside a fit: nothing was checked yet
+            _surface.check_callbacks(self.learn.cbs)
+            _metrics.check_supported(list(self.learn.metrics))
         self.strategy.sync_states(self.learn.model)  # one model for every rank's share of the metrics
         # get_preds (a GatherPredsCallback) returns every prediction, in the loader's order, on
         # every rank: its loader is not sharded, and what it computes is global already.
-        self._state.whole = any(isinstance(cb, GatherPredsCallback) for cb in self.learn.cbs)
-        if not self._state.whole:
+        if not self._whole():
             self.learn.dl = self._shard(self.learn.dl, train=False)
 
     def after_validate(self) -> None:
+        # Asked again (not remembered from before_validate): a get_preds inside this validation
+        # (FetchPredsCallback) has come and gone in between.
+        if self._whole():
+            return
         recorder = getattr(self.learn, "recorder", None)
-        if recorder is not None and not self._state.whole:
-            _metrics.reduce_states(self.strategy, list(recorder._valid_mets))
+        adjustments = self._state.adjustments
+        watch_nan = adjustments is not None and bool(adjustments.nan_watchers)
+        if recorder is None and not watch_nan:
+            return
+        extra = {"nan": _everyday.validation_nan(adjustments)} if watch_nan and adjustments is not None else {}
+        summed = _metrics.reduce_states(self.strategy, list(recorder._valid_mets) if recorder is not None else [],
+                                        extra)
+        if watch_nan and summed["nan"]:
+            from fastai.callback.core import CancelFitException
+
+            raise CancelFitException  # a NaN/inf validation loss on some rank: every rank stops here
 
     def after_fit(self) -> None:
         learn, state = self.learn, self._state
+        if state.adjustments is not None:
+            state.adjustments.undo()
         if state.inner is not None:
             learn.model = state.inner
         if state.placement is not None:
@@ -253,6 +352,9 @@ class ParallelCallback(Callback):
         object.__setattr__(self, "_state", _FitState())
 
     # -- helpers ----------------------------------------------------------------------------------------------
+    def _whole(self) -> bool:
+        return any(isinstance(cb, GatherPredsCallback) for cb in self.learn.cbs)
+
     def _smooth(self) -> Any:
         recorder = getattr(self.learn, "recorder", None)
         return recorder.smooth_loss if recorder is not None and isinstance(recorder.smooth_loss, LocalSmoothLoss) else None
@@ -305,7 +407,7 @@ class _FitState:
         self.inner: Any = None
         self.placement: Placement | None = None
         self.reduces_in_backward = False
-        self.whole = False  # this validation runs on every sample (get_preds): nothing to reduce
+        self.adjustments: _everyday.Adjustments | None = None
         self.loaders: dict[int, tuple[Any, Any]] = {}
         self.smooth: Any = None
         self.smooth_start: tuple[int, torch.Tensor] | None = None
@@ -335,43 +437,17 @@ def _replay_smooth_loss(smooth: Any, start: tuple[int, torch.Tensor], losses: to
         learn.smooth_loss = values[-1]
 
 
+#: The Learner methods that are the callback's while it is attached.
+_INSTALLED = ("save", "load", "export", "to_detach", "fit", "show_results", "show_training_loop")
+
+
 def _install(learn: Any, cb: ParallelCallback) -> None:
-    learn.save, learn.load = cb.save, cb.load
+    for name in _INSTALLED:
+        learn.__dict__[name] = getattr(cb, name)
 
 
 def _uninstall(learn: Any, cb: ParallelCallback) -> None:
-    for name in ("save", "load"):
+    for name in _INSTALLED:
         bound = learn.__dict__.get(name)
         if getattr(bound, "__self__", None) is cb:
             del learn.__dict__[name]
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-def _load_model(path: Path, model: Any, opt: Any, **options: Any) -> None:
-    """fastai's ``load_model``, one thread at a time: it allowlists its classes for torch's
-    ``weights_only`` unpickler with ``torch.serialization.safe_globals``, a process-wide set that
-    the first thread to leave the context empties for the others (the replica threads of one XLA
-    process load together)."""
-    from fastai.learner import load_model
-
-    with _LOAD_LOCK:
-        load_model(path, model, opt, **options)
-
-
-def _write(path: Path, learn: Any, with_opt: bool, pickle_protocol: int) -> None:
-    # fastai's save_model, without its `RANK` environment check (replica threads of an XLA
-    # process share one environment; the session's roles decide who writes), on the CPU.
-    from fastai.torch_core import get_model
-
-    state: Any = get_model(_unwrapped(learn.model)).state_dict()
-    opt = getattr(learn, "opt", None)
-    if with_opt and opt is not None:
-        state = {"model": state, "opt": opt.state_dict()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(to_detach(state, cpu=True, gather=False), path, pickle_protocol=pickle_protocol)
-
-
-def _unwrapped(model: Any) -> Any:
-    return model.module if _is_ddp(model) else model

@@ -9,6 +9,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
+from polyparallel_torch.demo import step_loss_metrics, with_step_losses
 
 __all__ = ["run_demo", "train_digits"]
 
@@ -40,6 +41,8 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
     model = nn.Sequential(nn.Linear(p.inputs, p.hidden), nn.ReLU(), nn.Linear(p.hidden, p.classes))
     step_times: list[float] = []
     epoch_loss = [0.0, 0]  # this rank's training loss x samples, samples, in the current epoch
+    step_sums: list[float] = []  # the same for every step
+    step_counts: list[int] = []
 
     class StepTimer(Callback):
         """Step times, and the epoch's mean training loss as the other rows report it (fastai's
@@ -55,8 +58,11 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
             if self.training:
                 step_times.append(time.perf_counter() - self.start)
                 n = len(self.yb[0])
-                epoch_loss[0] += float(self.loss) * n
+                loss = float(self.loss.detach())  # the value, without torch's warning about a tensor that needs grad
+                epoch_loss[0] += loss * n
                 epoch_loss[1] += n
+                step_sums.append(loss * n)
+                step_counts.append(n)
 
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=functools.partial(SGD, mom=p.momentum),
                     lr=p.lr, metrics=[accuracy], cbs=[strategy.adapt("fastai"), StepTimer()])
@@ -64,11 +70,12 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
     with learn.no_logging():
         learn.fit(p.epochs)
     _, _, acc = learn.recorder.values[-1]  # the global accuracy (the callback reduces fastai's metrics)
-    reduced = strategy.reduce_metrics({"final_loss": pp.Mean(*epoch_loss)})
+    reduced = with_step_losses(strategy.reduce_metrics({"final_loss": pp.Mean(*epoch_loss),
+                                                        **step_loss_metrics(step_sums, step_counts)}), p.epochs)
     if "logger" not in strategy.session().roles:
         return None
     return {"final_loss": float(reduced["final_loss"]), "accuracy": float(acc),
-            "step_time_ms": 1000 * statistics.median(step_times)}
+            "step_time_ms": 1000 * statistics.median(step_times), "losses": reduced["losses"], "epochs": p.epochs}
 
 
 def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:

@@ -14,6 +14,8 @@ valid loss), ``LossMetric``, ``Perplexity``    ``sum(batch mean * batch size) / 
 every ``skm_to_fastai`` metric, ``rmse``)      concatenated rank after rank (their row counts
                                                summed first, so shards of any size fit)
 ``Dice``, ``JaccardCoeff``                     ``inter`` and ``union`` summed
+``DiceMulti``, ``JaccardCoeffMulti``           per-class ``inter`` and ``union`` summed
+``CorpusBLEUMetric``                           n-gram counts and lengths summed
 ==========================================  ===================================================
 
 Other metric types are refused by :func:`check_supported` before training starts (the same list
@@ -37,27 +39,39 @@ __all__ = ["check_supported", "reduce_states", "summing"]
 
 def _kind(metric: Any) -> str | None:
     from fastai.learner import AvgLoss, AvgMetric
-    from fastai.metrics import AccumMetric, Dice
+    from fastai.metrics import AccumMetric, CorpusBLEUMetric, Dice, DiceMulti
 
     if isinstance(metric, (AvgMetric, AvgLoss)):
         return "avg"
     if isinstance(metric, AccumMetric):
         return "accum"
-    if type(metric) in (Dice,) or type(metric).__name__ == "JaccardCoeff":
+    if isinstance(metric, DiceMulti):  # and JaccardCoeffMulti
+        return "dicemulti"
+    if isinstance(metric, Dice):  # and JaccardCoeff
         return "dice"
+    if isinstance(metric, CorpusBLEUMetric):
+        return "bleu"
     return None
 
 
 def check_supported(metrics: Sequence[Any]) -> None:
-    """Refuse, before any collective, a metric whose state this module cannot make global."""
+    """Refuse, before any collective, a metric whose state this module cannot make global (the
+    refused entries of :mod:`polyparallel_fastai.surface`, and any other kind it does not know)."""
+    from .surface import SURFACE, metric_refusal
+
     for metric in metrics:
+        what = f"the metric {getattr(metric, 'name', metric)!r} ({type(metric).__name__})"
+        entry = metric_refusal(metric)
+        if entry is not None:
+            raise TypeError(f"the fastai adapter cannot make {what} global over the data group: "
+                            + entry.message(SURFACE.adapter))
         if _kind(metric) is None:
             raise TypeError(
-                f"the fastai adapter cannot make the metric {getattr(metric, 'name', metric)!r} "
-                f"({type(metric).__name__}) global over the data group: it reduces AvgMetric (any function "
-                "metric such as accuracy), AvgLoss/LossMetric, AccumMetric (RocAuc, F1Score, skm_to_fastai, ...) "
-                "and Dice/JaccardCoeff. Write the metric as a function (it becomes an AvgMetric) or as an "
-                "AccumMetric(func), so every rank's samples count."
+                f"the fastai adapter cannot make {what} global over the data group: it reduces AvgMetric (any "
+                "function metric such as accuracy), AvgLoss/LossMetric, AccumMetric (RocAuc, F1Score, "
+                "skm_to_fastai, ...), Dice/JaccardCoeff, DiceMulti/JaccardCoeffMulti and CorpusBLEUMetric. Write "
+                "the metric as a function (it becomes an AvgMetric) or as an AccumMetric(func), so every rank's "
+                "samples count."
             )
 
 
@@ -90,6 +104,14 @@ def reduce_states(strategy: pp.Strategy, metrics: Sequence[Any], extra: dict[str
             first[f"{i}.total"], first[f"{i}.count"] = _float(metric.total), float(metric.count)
         elif kind == "dice":
             first[f"{i}.inter"], first[f"{i}.union"] = _float(metric.inter), _float(metric.union)
+        elif kind == "bleu":
+            first[f"{i}.lens"] = torch.tensor([metric.pred_len, metric.targ_len], dtype=torch.float64)
+            first[f"{i}.corrects"] = torch.tensor(metric.corrects, dtype=torch.float64)
+            first[f"{i}.counts"] = torch.tensor(metric.counts, dtype=torch.float64)
+        elif kind == "dicemulti":
+            classes = torch.zeros(data_size, dtype=torch.float64)
+            classes[coord] = len(metric.inter)
+            first[f"{i}.classes"] = classes
         elif kind == "accum":
             preds, targs = _rows(metric.preds), _rows(metric.targs)
             rows = torch.zeros(data_size, dtype=torch.float64)
@@ -107,13 +129,47 @@ def reduce_states(strategy: pp.Strategy, metrics: Sequence[Any], extra: dict[str
                 metric.count = int(metric.count)
         elif kind == "dice":
             metric.inter, metric.union = summed[f"{i}.inter"], summed[f"{i}.union"]
-    if accum:
-        _gather_rows(total, accum, summed, data_size, coord)
+        elif kind == "bleu":
+            metric.pred_len, metric.targ_len = (int(v) for v in summed[f"{i}.lens"].tolist())
+            metric.corrects = summed[f"{i}.corrects"].tolist()
+            metric.counts = [int(v) for v in summed[f"{i}.counts"].tolist()]
+    second, layout = _rows_to_gather(accum, summed, data_size, coord)
+    second.update(_classes_to_sum(metrics, summed))
+    if second:
+        gathered = total.reduce_metrics(second)
+        for i, metric, pdtype, tdtype in layout:
+            metric.preds = [gathered[f"{i}.preds"].to(pdtype)]
+            metric.targs = [gathered[f"{i}.targs"].to(tdtype)]
+        for i, metric in enumerate(metrics):
+            if _kind(metric) == "dicemulti":
+                inter, union = gathered[f"{i}.inter"].tolist(), gathered[f"{i}.union"].tolist()
+                metric.inter, metric.union = dict(enumerate(inter)), dict(enumerate(union))
     return {k[len("extra."):]: v for k, v in summed.items() if k.startswith("extra.")}
 
 
-def _gather_rows(total: pp.Strategy, accum: list[tuple[int, Any, torch.Tensor | None, torch.Tensor | None]],
-                 summed: dict[str, Any], data_size: int, coord: int) -> None:
+def _classes_to_sum(metrics: Sequence[Any], summed: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """``DiceMulti``: per-class intersections and unions as vectors (a rank without batches
+    contributes zeros); ranks that saw different numbers of classes are refused alike."""
+    out: dict[str, torch.Tensor] = {}
+    for i, metric in enumerate(metrics):
+        if _kind(metric) != "dicemulti":
+            continue
+        counts = [int(c) for c in summed[f"{i}.classes"].tolist()]
+        seen = sorted({c for c in counts if c})
+        if len(seen) > 1:
+            raise pp.TopologyError(f"the fastai metric {metric.name!r} (DiceMulti) saw different numbers of classes "
+                                   f"on the data ranks ({counts}): the model's outputs must have the same classes "
+                                   "on every rank.")
+        n = seen[0] if seen else 0
+        out[f"{i}.inter"] = torch.tensor([metric.inter.get(c, 0.0) for c in range(n)], dtype=torch.float64)
+        out[f"{i}.union"] = torch.tensor([metric.union.get(c, 0.0) for c in range(n)], dtype=torch.float64)
+    return out
+
+
+def _rows_to_gather(accum: list[tuple[int, Any, torch.Tensor | None, torch.Tensor | None]], summed: dict[str, Any],
+                    data_size: int, coord: int) -> tuple[dict[str, torch.Tensor], list[tuple[int, Any, Any, Any]]]:
+    """``AccumMetric``: this rank's rows placed at its offset in zeros of every rank's rows
+    (summed over the group, they are every rank's rows, exactly)."""
     second: dict[str, torch.Tensor] = {}
     layout = []
     for i, metric, preds, targs in accum:
@@ -132,7 +188,4 @@ def _gather_rows(total: pp.Strategy, accum: list[tuple[int, Any, torch.Tensor | 
             full[start:start + len(part)] = part.double()
             second[f"{i}.{name}"] = full
         layout.append((i, metric, preds.dtype, targs.dtype))
-    gathered = total.reduce_metrics(second)
-    for i, metric, pdtype, tdtype in layout:
-        metric.preds = [gathered[f"{i}.preds"].to(pdtype)]
-        metric.targs = [gathered[f"{i}.targs"].to(tdtype)]
+    return second, layout

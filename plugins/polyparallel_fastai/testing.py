@@ -26,7 +26,7 @@ from polyparallel_torch.testing import (
     reference_model,
 )
 
-__all__ = ["FastaiDriver", "make_learner", "quiet", "single_process_order"]
+__all__ = ["FastaiDriver", "FastaiXlaDriver", "make_learner", "quiet", "single_process_order"]
 
 
 def quiet(learn: Any) -> Any:
@@ -177,3 +177,25 @@ class FastaiDriver(ConformanceDriver):
         if skip:
             learn.remove_cb(learn.recorder)
         learn.validate()
+
+
+class FastaiXlaDriver(FastaiDriver):
+    """The fastai adapter's conformance driver (:class:`FastaiDriver`: the same ``Learner``,
+    callback and loops, unchanged) under a strategy with ``runtime="xla"``: each rank is an XLA
+    CPU device served by a thread, syncs ordered by
+    :func:`polyparallel_xla.testing.install_ordered_sync`, models seeded one thread at a time
+    (:func:`polyparallel_xla.testing.seeded_model`). Here, not in the XLA plugin: a runtime
+    imports no framework adapter."""
+
+    startup_seconds = 90.0
+
+    def bind(self, strategy: pp.Strategy) -> pp.Strategy:
+        from polyparallel_xla.testing import install_ordered_sync
+
+        install_ordered_sync()
+        return super().bind(strategy)
+
+    def model(self, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+        from polyparallel_xla.testing import seeded_model
+
+        return seeded_model(seed, dtype)

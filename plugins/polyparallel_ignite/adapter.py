@@ -27,7 +27,6 @@ call ignite's factories with the right device and attach (and run pipelines when
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,6 +37,7 @@ from torch import nn
 import polyparallel as pp
 
 from . import metrics as _metrics
+from . import surface as _surface
 
 __all__ = ["IgniteAdapter", "full_output"]
 
@@ -51,19 +51,6 @@ def full_output(y_pred: Any) -> Any:
 def _set_epoch(engine: Any, sampler: Any) -> None:
     """``EPOCH_STARTED`` handler of :meth:`IgniteAdapter.attach`: epochs count from 0 in samplers."""
     sampler.set_epoch(engine.state.epoch - 1)
-
-
-def _is_deepspeed_engine(model: Any) -> bool:
-    # An engine from strategy.adapt("deepspeed") (the plugin polyparallel_deepspeed) steps itself;
-    # recognised without importing deepspeed.
-    engine = sys.modules.get("deepspeed.runtime.engine")
-    return engine is not None and isinstance(model, engine.DeepSpeedEngine)
-
-
-def _deepspeed() -> Any:
-    from polyparallel_deepspeed import ignite
-
-    return ignite
 
 
 def _unregister(engine_ref: weakref.ref[Any]) -> None:
@@ -221,6 +208,11 @@ class IgniteAdapter:
         """
         from ignite.engine import Events
 
+        # Before any collective: a refused step, metric or handler (polyparallel_ignite.surface);
+        # again when the run starts, for those attached after this call.
+        _surface.check_engine(engine, self.strategy)
+        if not engine.has_event_handler(_surface.check_engine, Events.STARTED):
+            engine.add_event_handler(Events.STARTED, _surface.check_engine, self.strategy)
         _metrics.register_engine(engine, self.runtime)
         # The session's end undoes it too: the runtime's groups are gone with it (weakly held).
         engine_ref = weakref.ref(engine)
@@ -239,9 +231,19 @@ class IgniteAdapter:
         from ignite.engine import Events
 
         _metrics.unregister_engine(engine)
+        if engine.has_event_handler(_surface.check_engine, Events.STARTED):
+            engine.remove_event_handler(_surface.check_engine, Events.STARTED)
         if engine.has_event_handler(_set_epoch, Events.EPOCH_STARTED):
             engine.remove_event_handler(_set_epoch, Events.EPOCH_STARTED)
         return engine
+
+    def bridge(self, model: Any) -> Any:
+        """What another plugin offers for running ``model`` (an object that plugin owns) in Ignite,
+        or ``None``: the ``polyparallel_adapter_bridge`` hook with ``adapter="ignite"``. Adapters
+        import no other adapter; a bridge provides ``create_trainer(model, loss_fn, device,
+        **kwargs)`` and ``create_evaluator(model, metrics, device, **kwargs)``, each returning an
+        ignite ``Engine`` (the DeepSpeed plugin's: :mod:`polyparallel_deepspeed.ignite`)."""
+        return self.strategy.plugin_manager.bridge("ignite", model)
 
     def create_supervised_trainer(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   loss_fn: Callable[..., torch.Tensor], data: Any = None, **kwargs: Any) -> Any:
@@ -250,13 +252,15 @@ class IgniteAdapter:
         With ``pipeline > 1`` (``model`` a ``PipelineModel``) the trainer runs a GPipe step; its
         output is the loss on the last stage and ``None`` on the others. The optimizer should
         come from :meth:`auto_optim` (gradients of replicas averaged before ``step()``).
-        ``model`` may be a DeepSpeed engine from ``strategy.adapt("deepspeed")`` (``optimizer``
-        ``None``: the engine steps its own; see :mod:`polyparallel_deepspeed.ignite`).
+        ``model`` may be an object another plugin owns and bridges to Ignite (:meth:`bridge`): a
+        DeepSpeed engine from ``strategy.adapt("deepspeed")`` (``optimizer`` ``None``: the engine
+        steps its own).
         """
         from polyparallel_torch.pipeline import PipelineModel
 
-        if _is_deepspeed_engine(model):
-            engine = _deepspeed().create_trainer(model, loss_fn, self.device, **kwargs)
+        bridge = self.bridge(model)
+        if bridge is not None:
+            engine = bridge.create_trainer(model, loss_fn, self.device, **kwargs)
         elif isinstance(model, PipelineModel):
             engine = self._pipeline_trainer(model, optimizer, loss_fn, **kwargs)
         else:
@@ -273,13 +277,14 @@ class IgniteAdapter:
         Metrics are attached only on ranks that hold outputs (the last pipeline stage); the others
         run the forward pass and leave ``state.metrics`` empty, without waiting on anyone.
         Tensor-parallel ``DTensor`` outputs are gathered before metrics see them. ``model`` may be
-        a DeepSpeed engine from ``strategy.adapt("deepspeed")``.
+        an object another plugin bridges to Ignite (:meth:`bridge`), such as a DeepSpeed engine.
         """
         from polyparallel_torch.pipeline import PipelineModel
 
         metrics = dict(metrics or {}) if self.holds_metrics else {}
-        if _is_deepspeed_engine(model):
-            engine = _deepspeed().create_evaluator(model, metrics, self.device, **kwargs)
+        bridge = self.bridge(model)
+        if bridge is not None:
+            engine = bridge.create_evaluator(model, metrics, self.device, **kwargs)
         elif isinstance(model, PipelineModel):
             engine = self._pipeline_evaluator(model, **kwargs)
             for name, metric in metrics.items():

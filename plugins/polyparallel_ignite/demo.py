@@ -9,6 +9,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
+from polyparallel_torch.demo import step_loss_metrics, with_step_losses
 
 __all__ = ["run_demo", "train_digits"]
 
@@ -40,6 +41,8 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
 
     step_times: list[float] = []
     epoch_loss = {"total": 0.0, "count": 0}
+    step_sums: list[float] = []  # this rank's loss x samples of every step, and the samples
+    step_counts: list[int] = []
 
     @trainer.on(Events.ITERATION_STARTED)
     def _start(engine: Any) -> None:
@@ -52,6 +55,8 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
             n = len(engine.state.batch[1])
             epoch_loss["total"] += engine.state.output * n
             epoch_loss["count"] += n
+            step_sums.append(engine.state.output * n)
+            step_counts.append(n)
 
     @trainer.on(Events.EPOCH_STARTED)
     def _reset(engine: Any) -> None:
@@ -64,8 +69,9 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any] | None:
     if not ignite.holds_metrics:
         return None
     row = ignite.reduce_metrics({"final_loss": pp.Mean(epoch_loss["total"], epoch_loss["count"]),
-                                 "step_time_ms": 1000 * statistics.median(step_times)})
-    return {**row, "accuracy": float(evaluator.state.metrics["accuracy"])}
+                                 "step_time_ms": 1000 * statistics.median(step_times),
+                                 **step_loss_metrics(step_sums, step_counts)})
+    return {**with_step_losses(row, p.epochs), "accuracy": float(evaluator.state.metrics["accuracy"])}
 
 
 def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:

@@ -40,7 +40,8 @@ import contextlib
 import os
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from numbers import Number
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ from ignite.distributed.comp_models.base import ComputationModel
 __all__ = ["DataGroupModel", "data_group_world", "is_registered", "register_engine", "unregister_engine"]
 
 _OPS = {"SUM": "sum", "MAX": "max", "MIN": "min"}
+#: The most dimensions a gathered tensor may have (the shapes exchanged first have a fixed size).
+_MAX_DIMS = 8
 
 
 class DataGroupModel(ComputationModel):
@@ -61,8 +64,10 @@ class DataGroupModel(ComputationModel):
     name = "polyparallel-data-group"
     available_backends = ("gloo", "nccl")
 
-    def __init__(self, runtime: Any, operation: str = "ignite metric reduction"):
+    def __init__(self, runtime: Any, operation: str = "ignite metric reduction", mean: bool = False):
         super().__init__()
+        #: A sum (``all_reduce``'s default) is divided by the group's size: its mean.
+        self.mean = mean
         self._rt = runtime
         self.operation = operation
         self._size = runtime.topology.size("data")
@@ -127,7 +132,8 @@ class DataGroupModel(ComputationModel):
     def _do_all_reduce(self, tensor: torch.Tensor, op: str = "SUM", group: Any | None = None) -> torch.Tensor:
         group = self._explicit_group(group)
         if group is None and op in _OPS:
-            return self._rt.all_reduce(tensor, _OPS[op], self.operation, "data")
+            out = self._rt.all_reduce(tensor, _OPS[op], self.operation, "data")
+            return out / self._size if self.mean and op == "SUM" else out
         reduce_op = {"SUM": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN,
                      "PRODUCT": dist.ReduceOp.PRODUCT, "AND": dist.ReduceOp.BAND, "OR": dist.ReduceOp.BOR}
         if op not in reduce_op:
@@ -141,20 +147,70 @@ class DataGroupModel(ComputationModel):
         return tensor
 
     def _do_all_gather(self, tensor: torch.Tensor, group: Any | None = None) -> torch.Tensor:
+        """The tensors of every rank of the group, concatenated along the first dimension. The
+        ranks may hold different numbers of rows (an ``EpochMetric`` on shards of 12 and 11
+        samples): their shapes are exchanged first, each tensor is padded to the longest, and
+        the padding is cut off again after the gather."""
         group = self._explicit_group(group) or self._rt.group("data")
         if tensor.ndimension() == 0:
             tensor = tensor.unsqueeze(0)
         if group is None:
             return tensor
-        output = [torch.zeros_like(tensor) for _ in range(group.size())]
+        size = group.size()
+        shapes = self._gather_shapes(tensor, group, size)
+        rows = [shape[0] for shape in shapes]
+        if any(shape[1:] != shapes[0][1:] for shape in shapes):
+            # Every rank sees the same shapes, so every rank raises here: nobody waits.
+            raise ValueError(f"{self.operation}: all_gather of tensors whose shapes differ beyond the first "
+                             f"dimension (shapes by data rank: {shapes}); only the number of rows may differ.")
+        longest = max(rows)
+        padded = tensor.contiguous()
+        if tensor.shape[0] < longest:
+            padded = torch.cat([padded, padded.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+        output = [torch.empty_like(padded) for _ in range(size)]
         with self._rt.collective(self.operation, "data"):
-            work = dist.all_gather(output, tensor, group=group, async_op=True)
+            work = dist.all_gather(output, padded, group=group, async_op=True)
         self._rt.wait(work, self.operation, "data")
-        return torch.cat(output, dim=0)
+        return torch.cat([part[:n] for part, n in zip(output, rows)], dim=0)
+
+    def _gather_shapes(self, tensor: torch.Tensor, group: Any, size: int) -> list[tuple[int, ...]]:
+        """Every rank's shape of ``tensor`` (one small fixed-size all_gather)."""
+        if tensor.ndimension() > _MAX_DIMS:
+            raise ValueError(f"{self.operation}: all_gather of a {tensor.ndimension()}-dimensional tensor; "
+                             f"the adapter gathers tensors of at most {_MAX_DIMS} dimensions.")
+        mine = torch.full((_MAX_DIMS + 1,), -1, dtype=torch.int64, device=tensor.device)
+        mine[0] = tensor.ndimension()
+        mine[1:1 + tensor.ndimension()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        shapes = [torch.empty_like(mine) for _ in range(size)]
+        with self._rt.collective(f"{self.operation} (shapes)", "data"):
+            work = dist.all_gather(shapes, mine, group=group, async_op=True)
+        self._rt.wait(work, f"{self.operation} (shapes)", "data")
+        out = []
+        for s in shapes:
+            ndim = int(s[0])
+            out.append(tuple(int(d) for d in s[1:1 + ndim]))
+        if len({len(shape) for shape in out}) > 1:
+            raise ValueError(f"{self.operation}: all_gather of tensors with different numbers of dimensions on "
+                             f"the data ranks (shapes by data rank: {out}).")
+        return out
 
     def _do_all_gather_object(self, tensor: Any, group: Any | None = None) -> list[Any]:
         self._explicit_group(group)
         return self._rt.all_gather_object(tensor, self.operation, "data")
+
+    def broadcast(self, tensor: Any, src: int = 0, safe_mode: bool = False) -> Any:
+        """ignite's ``broadcast``, except that a number travels as float64 (ignite sends float32),
+        so a value computed on one rank (an ``EpochMetric``'s sklearn score) arrives exact."""
+        if safe_mode:  # as ignite: the ranks agree on the type first (one all_reduce)
+            if tensor is None and self.get_rank() == src:
+                raise ValueError("Source data can not be None")
+            tensor = self._setup_placeholder(tensor, self.device(), self.get_rank() == src)
+        if isinstance(tensor, Number) and not isinstance(tensor, bool):
+            device = self.device()
+            value = (torch.tensor([float(cast(float, tensor))], dtype=torch.float64, device=device) if self.get_rank() == src
+                     else torch.empty(1, dtype=torch.float64, device=device))
+            return self._do_broadcast(value, src).item()
+        return super().broadcast(tensor, src=src)
 
     def _do_broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         # ``src`` is a rank of *this* world: a data coordinate.
@@ -208,10 +264,10 @@ class _Registration:
         self.runtime = runtime
         self.models: dict[str, DataGroupModel] = {}  # by operation, for this runtime
 
-    def model(self, operation: str) -> DataGroupModel:
+    def model(self, operation: str, mean: bool = False) -> DataGroupModel:
         model = self.models.get(operation)
         if model is None:
-            model = self.models[operation] = DataGroupModel(self.runtime, operation)
+            model = self.models[operation] = DataGroupModel(self.runtime, operation, mean=mean)
         return model
 
 
@@ -232,6 +288,8 @@ def _metric_method(handler: Any) -> tuple[Any, str] | None:
     name = getattr(target, "__name__", None)
     if isinstance(metric, Metric) and name in _WRAPPED_METHODS:
         return metric, name
+    if name == "_log_lr_and_loss" and type(metric).__name__ == "FastaiLRFinder":
+        return metric, name  # its loss: the data group's mean (ignite sums it over the whole world)
     return None
 
 
@@ -242,14 +300,16 @@ def _wrap(engine: Any, handler: Any, metric: Any, method: str, name: str) -> Any
     ``remove_event_handler``), so ``metric.is_attached(engine)`` and ``metric.detach(engine)`` work
     as before."""
     engine_ref = weakref.ref(engine)
-    operation = f"ignite metric {name!r} ({type(metric).__name__}.{_WRAPPED_METHODS[method]})"
+    mean = method == "_log_lr_and_loss"
+    operation = (f"ignite FastaiLRFinder's loss ({type(metric).__name__}._log_lr_and_loss)" if mean else
+                 f"ignite metric {name!r} ({type(metric).__name__}.{_WRAPPED_METHODS[method]})")
 
     def over_data_group(*args: Any, **kwargs: Any) -> Any:
         target = engine_ref()
         registration = _ENGINES.get(target) if target is not None else None
         if registration is None:  # unregistered since: ignite's own behaviour
             return handler(*args, **kwargs)
-        with _world(registration.model(operation)):
+        with _world(registration.model(operation, mean)):
             return handler(*args, **kwargs)
 
     parent = getattr(handler, "_parent", None)

@@ -7,7 +7,8 @@ A checkpoint is a directory::
                                       leaf, each process writing its own shards (tensorstore/OCDBT)
       polyparallel-checkpoint.json    the commit marker (:mod:`polyparallel._checkpoints`): format,
                                       runtime "jax", framework, topology written at, epoch/step,
-                                      global batch, extras, the size of every file
+                                      global batch, extras, the save id, and the size and SHA-256
+                                      of every file
 
 Leaves are named by their path (``module/params/l1/kernel``, ``optimizer/0/mu/l1/kernel``), so a
 checkpoint written by one model is checked leaf by leaf (names, shapes) against the model it is
@@ -18,7 +19,17 @@ written at ``data=4 x tensor=2`` loads at ``data=8`` or on one device.
 Atomic commit (the core's, shared with every runtime): everything is written into
 ``path.partial-<token>`` (orbax finalises its own ``state`` directory first), the marker is
 written last, and the directory is renamed to ``path``. A directory without the marker is
-refused; ``polyparallel.latest_checkpoint`` skips it.
+refused; ``polyparallel.latest_checkpoint`` skips it. A failed save (a full disk) raises the same
+:class:`polyparallel.CheckpointError` in every process, naming the path, the process and the
+operating system's error, and process 0 removes the staging directory.
+
+**What is hashed when.** orbax writes through tensorstore, whose streams cannot be wrapped, so the
+SHA-256 of every file is not taken while writing (as the torch runtime does) but by process 0
+reading each file once after orbax finalised the directory and before the marker is written
+(:func:`polyparallel._checkpoints.write_marker` without records); a load recomputes them. The
+save id is in the marker only (orbax's files carry none); the hashes bind the files to it.
+Saves are synchronous (``Strategy.async_save`` returns a finished future) and loads whole (a
+partial load, ``strict=False``/``keys=``, is refused).
 """
 
 from __future__ import annotations
@@ -88,9 +99,10 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     ``path`` (an earlier checkpoint there is replaced; any other existing path is refused).
 
     Every process calls it (each writes its own shards); process 0 writes the marker and
-    publishes the directory; no process returns before it is published. Should process 0 fail
-    to commit, it raises its error and every other process :class:`polyparallel.CheckpointError`
-    (none waits for a commit that will not come). Returns the path.
+    publishes the directory; no process returns before it is published. Should a process fail to
+    write or process 0 fail to commit, every process raises the same
+    :class:`polyparallel.CheckpointError` (none waits for a commit that will not come) and the
+    staging directory is removed. Returns the path.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -101,37 +113,78 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
                               "replaces only an earlier checkpoint. Choose another path, or remove it first.")
     staging = core.staging_path(path, _token())
     checkpointer = ocp.PyTreeCheckpointer()  # synchronous: the commit below comes after every write
+    failure: str | None = None
     try:
         checkpointer.save(os.path.join(staging, STATE), args=ocp.args.PyTreeSave(_nest(arrays)))
+    except Exception as exc:  # noqa: BLE001 - told to every process below
+        failure = f"writing its arrays failed on process {jax.process_index()}: {_os_text(exc)}"
     finally:
         checkpointer.close()
-    _barrier("polyparallel_jax.checkpoint.written")
-    failure: Exception | None = None
-    if jax.process_index() == 0:
-        try:
-            core.write_marker(staging, dict(metadata))
-            core.publish(staging, path)
-        except Exception as exc:  # told to every process below, so none waits for a commit that failed
-            failure = exc
-    if not _everyone_knows(failure is None):
-        if failure is not None:
-            raise failure  # process 0: its own error, the most precise
+    # Every process learns whether all wrote their shards (the barrier before the commit), then
+    # process 0 commits and every process learns whether it did; the same steps whatever failed.
+    failure = _everyone_knows(failure)
+    if failure is None:
+        if jax.process_index() == 0:
+            try:
+                core.write_marker(staging, dict(metadata))
+                core.publish(staging, path)
+            except Exception as exc:  # noqa: BLE001 - told to every process below, which else waits
+                failure = f"committing it failed on process 0: {_os_text(exc)}"
+        failure = _everyone_knows(failure)
+    if failure is not None:
+        if jax.process_index() == 0:
+            _remove(staging)
         raise CheckpointError(
-            f"Saving the checkpoint at {path!r} failed on process 0: it could not write the commit marker or "
-            "publish the directory (its own error says why). This process wrote its shards, but the save was not "
-            "committed; fix the cause (disk space, permissions) and save again.")
+            f"Strategy.save: {path!r}: {failure}. Nothing was published: {path!r} is as it was before this save (an "
+            "earlier checkpoint there, or in its folder, stays the latest), and the staging directory is removed. "
+            "Fix the cause (free disk space, permissions) and save again.")
     return path
 
 
-def _everyone_knows(ok: bool) -> bool:
-    """Process 0's ``ok`` in every process (the barrier after the commit, with its outcome)."""
+def _remove(staging: str) -> None:
+    """Remove a failed save's staging directory. tensorstore's writer threads of the other arrays
+    may still finish (and create files) after orbax raised the first error: retry for a few
+    seconds until the directory stays gone."""
+    import time
+
+    for _ in range(50):
+        core.remove_staging(staging)
+        if not os.path.lexists(staging):
+            time.sleep(0.1)  # a late writer would have recreated it by now
+            if not os.path.lexists(staging):
+                return
+        time.sleep(0.1)
+
+
+def _os_text(exc: BaseException) -> str:
+    """The operating system's error in ``exc``'s chain (``OSError: [Errno 28] ...``), else ``exc``."""
+    from polyparallel._checkpoint_files import os_error
+    from polyparallel._errors import exception_summary
+
+    return exception_summary(os_error(exc) or exc)
+
+
+_MESSAGE = 2048  # bytes of a failure's text shared with every process
+
+
+def _everyone_knows(failure: str | None) -> str | None:
+    """The first failure of any process (``None`` when none failed), in every process: one
+    all-gather of a fixed-size buffer (the barrier after the commit, with its outcome)."""
     import jax
 
     if jax.process_count() == 1:
-        return ok
+        return failure
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(1 if ok else 0)))
+    mine = np.zeros(_MESSAGE + 1, dtype=np.uint8)
+    if failure is not None:
+        text = failure.encode("utf-8")[:_MESSAGE]
+        mine[0], mine[1:1 + len(text)] = 1, np.frombuffer(text, dtype=np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    for row in every.reshape(-1, _MESSAGE + 1):
+        if row[0]:
+            return bytes(row[1:]).rstrip(b"\0").decode("utf-8", "replace")
+    return None
 
 
 def _token() -> str:

@@ -1,8 +1,8 @@
 """``polyparallel demo`` entry ``jax``: the digits MLP trained with ``Model.fit(strategy=...)``.
 
-:func:`run` starts ``python -m polyparallel_jax.demo`` with ``nprocs`` CPU devices (XLA_FLAGS is
-read once, when jax is imported, so a fresh interpreter keeps the caller's JAX state untouched)
-and reads one JSON line back.
+:func:`run` starts ``python -m polyparallel_jax.demo_process`` with ``nprocs`` CPU devices
+(XLA_FLAGS is read once, when jax is imported, so a fresh interpreter keeps the caller's JAX state
+untouched) and reads one JSON line back: :func:`train`'s result row.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def run(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:
     env.update(XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={nprocs}".strip(), JAX_PLATFORMS="cpu",
                OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
     spec = json.dumps({"sizes": strategy.topology.sizes, "seed": strategy.seed, "timeout": strategy.timeout})
-    done = subprocess.run([sys.executable, "-m", "polyparallel_jax.demo", spec], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "polyparallel_jax.demo_process", spec], env=env, capture_output=True,
                           text=True, timeout=max(300.0, 4 * strategy.timeout))
+    sys.stderr.write(done.stderr)  # JAX's own warnings: `polyparallel demo` logs them with the other frameworks'
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"the JAX demo failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
@@ -58,20 +59,7 @@ def train(strategy: pp.Strategy, epochs: int = 8, batch_size: int = 64) -> dict[
     result = model.evaluate(x[split:], y[split:], batch_size=batch_size)
     from .runtime import runtime_for
 
+    # history holds every epoch trained, the compiling one first: the loss curve, one point per epoch.
     return {"framework": "jax (flax nnx)", "topology": repr(runtime_for(strategy).topology),
-            "final_loss": history["loss"][-1], "accuracy": result["accuracy"], "step_time_ms": step_ms}
-
-
-def _main(spec: str) -> None:
-    from . import plugin
-
-    options = json.loads(spec)
-    pm = pp.PluginManager(autoload=False)
-    pm.register(plugin, name="jax")
-    strategy = pp.Strategy(**options["sizes"], seed=options["seed"], timeout=options["timeout"], runtime="jax",
-                           plugin_manager=pm)
-    print(json.dumps(train(strategy)), flush=True)
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1])
+            "final_loss": history["loss"][-1], "accuracy": result["accuracy"], "step_time_ms": step_ms,
+            "losses": [float(v) for v in history["loss"]], "epochs": len(history["loss"])}

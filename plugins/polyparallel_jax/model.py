@@ -3,23 +3,34 @@
 >>> model = Model(module, loss="cross_entropy", optimizer=optax.adam(1e-3), metrics=["accuracy"])  # doctest: +SKIP
 >>> model.fit(x, y, epochs=5, batch_size=64, strategy=pp.Strategy(data=-1))              # doctest: +SKIP
 
-The train step is one ``jax.jit`` program: a ``shard_map`` manual over ``data`` (each device
-computes the gradient of its own rows; ``strategy.sync_grads`` averages them) and automatic
-(GSPMD) over ``tensor`` (parameters split by partition rules), followed by the optax update on
-the sharded parameters. Metrics and losses are reduced count-weighted by
+The train step is one ``jax.jit`` program (:mod:`polyparallel_jax.steps`): a ``shard_map`` manual
+over ``data`` (each device computes the gradient of its own rows; ``strategy.sync_grads`` averages
+them) and automatic (GSPMD) over ``tensor`` (parameters split by partition rules), followed by the
+optax update on the sharded parameters. Metrics and losses are reduced count-weighted by
 ``strategy.reduce_metrics``; BatchNorm statistics follow ``strategy.state_policy``:
 
 - ``mean`` (the default for ``batch_stats*``): synchronised BatchNorm — batch statistics over the
   global batch at every step, so training equals single-device training on the same global batch;
-- ``local``: each device keeps statistics of its own rows (as PyTorch DDP without SyncBN); they
-  are averaged over ``data`` for ``evaluate``, ``predict``, ``save`` and ``model.module``.
+- ``local``: each device keeps statistics of its own rows (as PyTorch DDP without SyncBN), across
+  ``fit`` calls on the same strategy; they are averaged over ``data`` for ``evaluate``,
+  ``predict``, ``save`` and ``model.module``. Under another strategy (another topology or policy)
+  the per-device copies are averaged and dropped: every device of the new strategy starts from
+  their average. A checkpoint holds the average, so a Model loaded under any strategy starts
+  every device from it.
 
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
 
-``save``/``load`` write and read orbax-checkpoint directories (:mod:`polyparallel_jax.saving`),
-resharded to the reading mesh; ``fit(checkpoint=, checkpoint_every=, resume=)`` checkpoints and
-resumes mid-epoch exactly.
+State. ``model.module`` holds the parameters, the BatchNorm statistics (averaged) and the RNG
+state. The rest belongs to a *placement*, the state put on one strategy's mesh: the placement
+itself, the optimizer state there, the per-device statistics (``local``) and the compiled steps.
+:meth:`Model._reset` is the one way out of a placement, taken by every change of strategy and by
+every load: per-device statistics are averaged into the module and dropped, the optimizer state
+keeps its values until the next placement puts them into its shardings, the steps go.
+
+``save``/``load`` write and read orbax-checkpoint directories (:mod:`polyparallel_jax.saving`,
+through :meth:`Model.checkpoint_state` and :meth:`Model.restore_state`), resharded to the reading
+mesh; ``fit(checkpoint=, checkpoint_every=, resume=)`` checkpoints and resumes mid-epoch exactly.
 
 The module passed in keeps its own configuration: the train/eval mode and the BatchNorm
 ``axis_name`` a step needs are set only while that step's graph is taken (``nnx.split``; the
@@ -30,7 +41,7 @@ compiled step keeps them), then the module's own values are put back, so the use
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,32 +49,19 @@ import numpy as np
 import polyparallel as pp
 
 from . import losses as _losses
+from . import saving, steps
 from .data import ShardedArrays
 from .progress import ProgressBar
 from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
+from .steps import DATA, split_state
 
 __all__ = ["Model"]
-
-DATA = "data"
 
 #: Where a Model's state lives: (strategy or None for one device, its runtime, the wrapped module or None).
 _Placement = tuple[pp.Strategy | None, JaxRuntime, Any]
 
 #: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
 _STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
-
-
-class _Plain:
-    """Stand-in for a strategy on one device: the same step code, no collectives."""
-
-    def sync_grads(self, grads: Any) -> Any:
-        return grads
-
-    def reduce_metrics(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.total / v.count for k, v in metrics.items()}
-
-    def sync_states(self, states: Any) -> Any:
-        return states
 
 
 class Model:
@@ -102,16 +100,18 @@ class Model:
             raise ValueError(f"sync_every must be a positive int. Received: {sync_every!r}.")
         self.sync_every = sync_every
         self.history: dict[str, list[float]] = {}
+        # What belongs to the placement (set up by _place and its steps, cleared only by _reset):
         self._placed: _Placement | None = None
-        self._opt_state: Any = None
-        self._local_stats: Any = None  # per-device statistics under the "local" policy
-        self._steps: dict[Any, Any] = {}
-        self._saved_opt_state: Any = None  # an optimizer state to re-place on the next placement
+        self._opt_state: Any = None  # the optimizer state, sharded like the parameters there
+        self._local_stats: Any = None  # per-device statistics under the "local" policy (leading axis: data)
+        self._steps: dict[Any, Any] = {}  # the compiled steps
+        # Outside any placement:
+        self._unplaced_opt_state: Any = None  # optimizer values the next placement puts into its shardings
         self._fit_info: dict[str, Any] | None = None  # the last fit's data position, history, partial epoch
 
-    # -- placement -----------------------------------------------------------------------------
+    # -- placement and state ---------------------------------------------------------------------
     def _place(self, strategy: pp.Strategy | None) -> _Placement:
-        """Put the module's state on the strategy's mesh (once per strategy)."""
+        """Put the module's state on the strategy's mesh (once per strategy; see :meth:`place`)."""
         import jax
 
         if strategy is None and self._placed is not None:
@@ -123,7 +123,7 @@ class Model:
             strategy.check("jax")  # pipeline > 1 is refused before anything is compiled
         if self._placed is not None and self._placed[0] == strategy:
             return self._placed
-        self._finish_local_stats()
+        self._reset()  # the module now holds everything the old placement had (averaged)
         if strategy is None:
             runtime = JaxRuntime.single()
             wrapped = None
@@ -134,10 +134,19 @@ class Model:
             runtime = runtime_for(strategy)
             wrapped = strategy.wrap_model(self.module, plan=self.plan)
         self._placed = (strategy, runtime, wrapped)
-        if self._opt_state is not None:  # the optimizer state follows its parameters to the new placement
-            self._saved_opt_state = self._opt_state
-        self._opt_state, self._steps = None, {}
         return self._placed
+
+    def _reset(self, placement: _Placement | None = None) -> None:
+        """The one reset of what belongs to a placement, for every path that leaves one (``fit``,
+        ``evaluate``, ``predict``, ``save``, ``load`` under another strategy; every load, which
+        replaces the state): per-device statistics of the ``local`` policy are averaged into the
+        module and dropped, the optimizer state keeps its values, unplaced, until
+        :meth:`_init_optimizer` puts them into the next placement's shardings, the compiled steps
+        go. ``placement``: the placement afterwards (``None``: none until the next ``_place``)."""
+        self._finish_local_stats()
+        if self._opt_state is not None:
+            self._unplaced_opt_state = self._opt_state
+        self._placed, self._opt_state, self._local_stats, self._steps = placement, None, None, {}
 
     @property
     def _placement(self) -> _Placement:
@@ -162,7 +171,7 @@ class Model:
                 if isinstance(sub, nnx.BatchNorm):
                     sub.axis_name = DATA if sync else None
             self.module.train() if train else self.module.eval()
-            return _split_state(self.module)
+            return split_state(self.module)
         finally:
             for sub, attributes in saved:
                 for name, value in attributes.items():
@@ -173,91 +182,15 @@ class Model:
         return strategy.state_policy.action_for("batch_stats")
 
     # -- steps ---------------------------------------------------------------------------------
-    def _per_device(self, graphdef: Any, ops: Any, train: bool, local_stats: bool, fold_rngs: bool) -> Any:
-        import jax
-        import jax.numpy as jnp
-        from flax import nnx
-
-        def body(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
-            if local_stats:
-                stats = jax.tree.map(lambda s: s[0], stats)  # (1, ...) per device -> (...)
-            keys_in = rest
-            if fold_rngs:
-                index = jax.lax.axis_index(DATA)
-                rest = jax.tree.map(lambda v: v.replace(jax.random.fold_in(v.get_value(), index))
-                                    if isinstance(v, nnx.RngKey) else v, rest,
-                                    is_leaf=lambda v: isinstance(v, nnx.Variable))
-            count = jnp.sum(mask)
-            total_count = jax.lax.psum(count, DATA) if _in_data() else count
-            scale = jax.lax.axis_size(DATA) if _in_data() else 1
-
-            def objective(params: Any) -> Any:
-                model = nnx.merge(graphdef, params, stats, rest, copy=True)
-                predictions = model(x)
-                per_sample = self.loss_fn(predictions, y)
-                loss_sum = jnp.sum(per_sample * mask)
-                _, _, new_stats, new_rest = _split_state(model)
-                # Local sum scaled so that sync_grads' mean over devices is the gradient of the
-                # global mean loss, exactly, even for shards of unequal size.
-                return loss_sum * scale / jnp.maximum(total_count, 1), (predictions, loss_sum, new_stats, new_rest)
-
-            if train:
-                (_, (predictions, loss_sum, new_stats, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-                grads = ops.sync_grads(grads)
-            else:
-                _, (predictions, loss_sum, new_stats, new_rest) = objective(params)
-                grads = None
-            values = {"loss": pp.Mean(loss_sum, count)}
-            for name, fn in self.metric_fns.items():
-                values[name] = pp.Mean(jnp.sum(fn(predictions, y) * mask), count)
-            metrics = ops.reduce_metrics(values)
-            if local_stats:
-                new_stats = jax.tree.map(lambda s: s[None], new_stats)
-            else:
-                new_stats = ops.sync_states(new_stats)
-            if fold_rngs:  # keys go back unfolded; counters advanced identically everywhere
-                new_rest = jax.tree.map(lambda new, old: new.replace(old.get_value()) if isinstance(new, nnx.RngKey) else new,
-                                        new_rest, keys_in, is_leaf=lambda v: isinstance(v, nnx.Variable))
-            return grads, new_stats, new_rest, metrics, predictions
-
-        return body
-
     def _step(self, train: bool) -> Any:
         """The compiled train (or eval) step for the current placement, built once."""
-        import jax
-        import optax
-        from jax.sharding import PartitionSpec as P
-
         key = ("train" if train else "eval", self._local_stats is not None and train)
-        if key in self._steps:
-            return self._steps[key]
-        strategy, runtime, _ = self._placement
-        graphdef, _, _, _ = self._split(train)
-        local = key[1]
-        if strategy is None:
-            body = self._per_device(graphdef, _Plain(), train, False, False)
-            mapped = body
-        else:
-            body = self._per_device(graphdef, strategy, train, local, True)
-            stats_spec = P(DATA) if local else P()
-            mapped = jax.shard_map(body, mesh=runtime.mesh, axis_names={DATA},
-                                   in_specs=(P(), stats_spec, P(), P(DATA), P(DATA), P(DATA)),
-                                   out_specs=(P(), stats_spec, P(), P(), P(DATA)))
-        tx = self.optimizer
-
-        if train:
-            def train_step(params: Any, stats: Any, rest: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
-                grads, stats, rest, metrics, _ = mapped(params, stats, rest, x, y, mask)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return optax.apply_updates(params, updates), stats, rest, opt_state, metrics
-            compiled = jax.jit(train_step, donate_argnums=(0, 1, 3))
-        else:
-            def eval_step(params: Any, stats: Any, rest: Any, x: Any, y: Any, mask: Any) -> Any:
-                _, _, _, metrics, predictions = mapped(params, stats, rest, x, y, mask)
-                return metrics, predictions
-            compiled = jax.jit(eval_step)
-        self._steps[key] = compiled
-        return compiled
+        if key not in self._steps:
+            strategy, runtime, _ = self._placement
+            graphdef, _, _, _ = self._split(train)
+            self._steps[key] = steps.build(graphdef, strategy, runtime, self.loss_fn, self.metric_fns, self.optimizer,
+                                           train=train, local_stats=key[1])
+        return self._steps[key]
 
     # -- data --------------------------------------------------------------------------------------
     def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
@@ -299,8 +232,6 @@ class Model:
         import jax
         from flax import nnx
 
-        from . import saving
-
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative int. Received: {epochs!r}.")
         every = saving.checkpoint_every(checkpoint, checkpoint_every)
@@ -328,10 +259,11 @@ class Model:
                         jax.block_until_ready(pending)  # bounds the queue of collective steps
                         bar.update(i, pending)
                     pending = metrics
-                if every and data.global_step % every == 0 and i + 1 < len(data):
+                if every and checkpoint is not None and data.global_step % every == 0 and i + 1 < len(data):
                     self._opt_state = opt_state
                     self._store(params, stats, rest)
-                    saving.record_fit(self, checkpoint, data, results)
+                    self._record_fit(data, results)
+                    saving.fit_checkpoint(self, checkpoint, data.global_step)
             host = jax.device_get(results)
             epoch_values = _weighted(host)
             bar.update(len(data), epoch_values, final=True)
@@ -342,7 +274,9 @@ class Model:
             if validation_data is not None:
                 for name, value in self.evaluate(*validation_data, batch_size=batch_size).items():
                     self.history.setdefault(f"val_{name}", []).append(value)
-            saving.record_fit(self, checkpoint, data, [])
+            self._record_fit(data, [])
+            if checkpoint is not None:
+                saving.fit_checkpoint(self, checkpoint, data.global_step)
         nnx.update(self.module, params)  # in case epochs == 0 left nothing stored
         return self.history
 
@@ -397,6 +331,8 @@ class Model:
         return strategy.data_policy.remainder if strategy is not None else "pad"
 
     def _init_optimizer(self, params: Any) -> Any:
+        """The optimizer state on this placement, sharded like ``params``: the unplaced values
+        (from another placement, or a restored file) if there are some, else freshly initialised."""
         import jax
 
         _, runtime, wrapped = self._placement
@@ -404,8 +340,8 @@ class Model:
             opt_state = wrapped.init_optimizer(self.optimizer, params)
         else:
             opt_state = jax.jit(self.optimizer.init)(params)
-        saved, self._saved_opt_state = self._saved_opt_state, None
-        if saved is not None:  # from another placement or a msgpack file: same values, placed like the fresh state
+        saved, self._unplaced_opt_state = self._unplaced_opt_state, None
+        if saved is not None:  # same values, placed like the fresh state
             fresh, treedef = jax.tree.flatten(opt_state)
             opt_state = jax.tree.unflatten(treedef, [jax.device_put(jax.numpy.asarray(old_value, new.dtype), new.sharding)
                                                      for old_value, new in zip(jax.tree.leaves(saved), fresh)])
@@ -422,7 +358,6 @@ class Model:
         size = runtime.data_size
         stacked = jax.tree.map(lambda s: jnp.broadcast_to(s[None], (size, *s.shape)), stats)
         self._local_stats = jax.device_put(stacked, runtime.sharding(DATA))
-        self._steps = {}
         return self._local_stats
 
     def _store(self, params: Any, stats: Any, rest: Any) -> None:
@@ -434,17 +369,80 @@ class Model:
         nnx.update(self.module, params, stats, rest)
 
     def _finish_local_stats(self) -> None:
-        """The evaluation-time sync of per-device statistics (``local`` policy)."""
+        """The module gets the average of the per-device statistics (``local`` policy)."""
         from flax import nnx
 
         if self._local_stats is not None:
             nnx.update(self.module, _average(self._local_stats))
 
+    def _record_fit(self, data: ShardedArrays, results: list[Any]) -> None:
+        """``fit``'s position: the data's, its history, and the partial epoch's metric sums (so
+        that a resumed epoch's history is an uninterrupted one's)."""
+        import jax
+
+        partial = [({k: float(v) for k, v in m.items()}, int(c)) for m, c in jax.device_get(results)]
+        self._fit_info = {"loader": data.state_dict(), "history": {k: list(v) for k, v in self.history.items()},
+                          "partial": partial}
+
     @property
     def batch_stats_per_device(self) -> Any:
         """Per-device BatchNorm statistics (leading axis: data coordinate) under the ``local``
-        policy, else ``None``."""
+        policy, else ``None``. Kept while the Model stays on one strategy; another strategy (or
+        a load) averages them into ``module`` and drops them."""
         return self._local_stats
+
+    # -- placement and state, for saving ---------------------------------------------------------
+    def place(self, strategy: pp.Strategy | None = None) -> pp.Strategy | None:
+        """Put the Model's state on ``strategy``'s mesh (default: the current placement, else the
+        Model's strategy, else one device) and return the strategy it is placed on (``None``: one
+        device). ``fit``, ``evaluate``, ``predict`` and ``load`` call it first. Another strategy
+        than the current one goes through :meth:`_reset`: ``local`` per-device statistics are
+        averaged and dropped, the optimizer state moves with its values, steps are compiled again."""
+        return self._place(strategy)[0]
+
+    @property
+    def placed_strategy(self) -> pp.Strategy | None:
+        """The strategy the state is placed on (``None``: one device, or not placed yet)."""
+        return self._placed[0] if self._placed is not None else None
+
+    @property
+    def fit_progress(self) -> dict[str, Any] | None:
+        """The last ``fit``'s (or the loaded checkpoint's) position: ``{"loader": the data's
+        state_dict, "history", "partial": the interrupted epoch's metric sums}``; ``None`` before."""
+        return dict(self._fit_info) if self._fit_info is not None else None
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint of this Model holds, as placed now, by section: ``module/params``,
+        ``module/batch_stats`` (under the ``local`` policy the average of the per-device
+        statistics), ``module/other`` (RNG state, other variables), and ``optimizer`` once there
+        is an optimizer state (after ``fit`` or a load)."""
+        self._finish_local_stats()
+        state = saving.module_sections(self.module)
+        optimizer = self._opt_state if self._opt_state is not None else self._unplaced_opt_state
+        if optimizer is not None:
+            state["optimizer"] = optimizer
+        return state
+
+    def restore_state(self, read: Callable[[dict[str, Any]], Mapping[str, Any]], *, optimizer: bool,
+                      progress: Mapping[str, Any] | None = None) -> None:
+        """Replace the state with ``read(targets)`` in the current placement (:meth:`place` first),
+        through :meth:`_reset` (per-device statistics, compiled steps and the optimizer state go).
+        ``targets`` are :meth:`checkpoint_state`'s sections as placed here, with a freshly
+        initialised ``optimizer`` if ``optimizer`` (else the Model has no optimizer state until
+        ``fit`` initialises one); ``read`` returns trees of the same structure, each array in its
+        target's sharding (``module/other`` may be left out: it is kept). ``progress`` becomes
+        :attr:`fit_progress`."""
+        from flax import nnx
+
+        self._reset(self._placement)
+        self._unplaced_opt_state = None
+        targets = saving.module_sections(self.module)
+        if optimizer:
+            targets["optimizer"] = self._init_optimizer(targets["module/params"])
+        restored = read(targets)
+        nnx.update(self.module, *(restored[name] for name in saving.MODULE_SECTIONS if name in restored))
+        self._opt_state = restored.get("optimizer")
+        self._fit_info = dict(progress) if progress is not None else None
 
     def save(self, path: str, **extras: Any) -> str:
         """Write a checkpoint directory at ``path`` (replacing an earlier checkpoint there):
@@ -458,8 +456,6 @@ class Model:
         ``path``, so a job killed while saving leaves nothing that loads. Under the ``local``
         BatchNorm policy the per-device statistics are saved averaged.
         """
-        from . import saving
-
         return saving.save_model(self, os.fspath(path), extras)
 
     def load(self, path: str, strategy: pp.Strategy | None = None, loader: ShardedArrays | None = None) -> dict[str, Any]:
@@ -467,35 +463,20 @@ class Model:
         (default: the current placement, else the Model's strategy, else one device): each array
         is read straight into the sharding this model gives it there, so a checkpoint written at
         ``data=4, tensor=2`` loads at ``data=8`` or on one device. ``loader`` (host arrays
-        sharded by ``strategy.shard_data``) continues at the saved position.
+        sharded by ``strategy.shard_data``) continues at the saved position. Under the ``local``
+        policy every device starts from the saved (averaged) statistics.
 
         Refused before anything is restored (``polyparallel.CheckpointError``): a directory
         without the commit marker (half-written) or with truncated files, one written by another
         model or optimizer (a leaf missing, unexpected, or of another shape: the error names it),
-        a ``loader`` whose global batch, seed, shuffling or data length differ. A flax msgpack
-        *file* written by the earlier ``Model.save`` is still read.
+        a ``loader`` whose global batch, seed, shuffling or data length differ, a file that is
+        not msgpack. A flax msgpack *file* written by the earlier ``Model.save`` is still read
+        (into the same placement).
 
         :return: ``{"epoch", "step", "global_step", **extras}`` (the saved position: ``None``
             without one). ``fit(resume=path)`` continues from there exactly.
         """
-        from . import saving
-
         return saving.load_model(self, os.fspath(path), strategy, loader)
-
-
-def _split_state(module: Any) -> tuple[Any, Any, Any, Any]:
-    """``nnx.split`` of ``module`` into (graphdef, parameters, BatchNorm statistics, the rest)."""
-    from flax import nnx
-
-    graphdef, params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
-    stats, rest = states  # three filters, so exactly two more states (flax's type says "any number")
-    return graphdef, params, stats, rest
-
-
-def _in_data() -> bool:
-    from .ops import inside_data_axis
-
-    return inside_data_axis()
 
 
 def _weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:

@@ -3,10 +3,10 @@
 Importing this module is cheap: JAX, Flax and optax are imported inside the hooks.
 
 Routing: the JAX runtime (``Strategy(runtime="jax")``, or the automatic choice where JAX is the
-only runtime installed or imported) is declared by ``polyparallel_capabilities``. Every hook
-below answers only for sessions whose runtime is ``"jax"`` (``session.runtime``; ``runtime=``
-for ``process_info`` and ``launch``), so a torch strategy never reaches JAX and a JAX strategy
-never reaches torch. Within the JAX runtime, each operation owns its objects:
+only runtime installed or imported) is declared by ``polyparallel_capabilities``. The core calls
+the hooks below only for sessions (and launches) whose runtime is ``"jax"``, so a torch strategy
+never reaches JAX and a JAX strategy never reaches torch, with no guard here. Within the JAX
+runtime, each operation owns its objects:
 
 - ``shard_data``: numpy arrays and tuples/lists/dicts of them (host data);
 - ``wrap_model``: ``flax.nnx.Module``; ``sync_grads``: pytrees of ``jax.Array`` (tracers included);
@@ -89,8 +89,6 @@ def polyparallel_register_demos(register: Callable[..., None]) -> None:
 @pp.hookimpl(tryfirst=True)
 def polyparallel_process_info(runtime: str | None) -> pp.ProcessInfo | None:
     """On the JAX runtime, the world is the JAX devices (joins the multi-process world first)."""
-    if runtime != RUNTIME:
-        return None
     from .runtime import process_info
 
     return process_info()
@@ -101,8 +99,6 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: 
                         kwargs: dict, timeout: float | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
     ``jax.distributed``; only on the JAX runtime."""
-    if runtime != RUNTIME:
-        return None
     from .launch import launch_processes
 
     return launch_processes(fn, nprocs, args=args, kwargs=kwargs,
@@ -115,7 +111,7 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: 
 @pp.hookimpl(trylast=True)
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
     """Numpy host data -> :class:`polyparallel_jax.data.ShardedArrays` over the data axis."""
-    if session.runtime != RUNTIME or "numpy" not in sys.modules:
+    if "numpy" not in sys.modules:
         return None
     from .data import ShardedArrays, is_host_data
 
@@ -129,7 +125,7 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
 @pp.hookimpl
 def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
     """An ``nnx.Module`` -> :class:`polyparallel_jax.ops.ShardedModule` (``plan=`` partition rules)."""
-    if session.runtime != RUNTIME or "flax" not in sys.modules:
+    if "flax" not in sys.modules:
         return None
     from flax import nnx
 
@@ -147,7 +143,7 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 @pp.hookimpl
 def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
     """Gradients (a pytree of ``jax.Array``) -> their mean over ``data``."""
-    if session.runtime != RUNTIME or not _jax_loaded():
+    if not _jax_loaded():
         return None
     from .ops import is_jax_tree, sync_grads
 
@@ -157,7 +153,7 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
 @pp.hookimpl
 def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session, metrics: dict[str, Any]) -> dict[str, Any] | None:
     """Numbers, ``jax.Array`` and ``Mean`` values -> reduced over ``data``, count-weighted."""
-    if session.runtime != RUNTIME or not metrics:
+    if not metrics:
         return None
     from .ops import is_jax_metric, reduce_metrics
 
@@ -174,7 +170,7 @@ def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session, metr
 @pp.hookimpl
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
     """NNX module/state or mapping of ``jax.Array`` -> synced per ``strategy.state_policy``."""
-    if session.runtime != RUNTIME or not _jax_loaded():
+    if not _jax_loaded():
         return None
     from flax import nnx
 
@@ -205,11 +201,11 @@ def _runtime_if_concrete(strategy: pp.Strategy, session: pp.Session) -> Any:
 
 
 def _checkpoint_objects(session: pp.Session, state: dict[str, Any]) -> tuple[Any, Any, Any] | None:
-    """(model, optimizer, loader) when this plugin owns them, on the JAX runtime only: a ``Model`` (which holds its own
+    """(model, optimizer, loader) when this plugin owns them (the core asks it on the JAX runtime only): a ``Model`` (which holds its own
     optimizer state) or an ``nnx.Module`` (optionally an ``nnx.Optimizer``), a ``ShardedArrays``.
     Other optimizers are refused with a ``CheckpointError`` (the plugin manager passes
     polyparallel errors through unwrapped)."""
-    if session.runtime != RUNTIME or "flax" not in sys.modules:
+    if "flax" not in sys.modules:
         return None
     from flax import nnx
 
@@ -246,19 +242,24 @@ def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, pat
     framework = state.get("framework") or "flax"
     extras = {k: v for k, v in state.items() if k not in ("model", "optimizer", "loader", "framework")}
     if isinstance(model, Model):
-        model._place(strategy)  # the Model saves from its placement on this strategy
+        model.place(strategy)  # the Model saves from its placement on this strategy
         return saving.save_model(model, path, extras, framework, loader)
     return saving.save_module(strategy, path, model, optimizer, loader, framework, extras)
 
 
 @pp.hookimpl
 def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     """Restore a JAX checkpoint into ``state``'s objects, resharded to this strategy's mesh;
-    only on the JAX runtime."""
+    only on the JAX runtime. A partial load (``strict=False`` / ``keys=``) is refused: the JAX
+    runtime restores whole models only."""
     objects = _checkpoint_objects(session, state)
     if objects is None:
         return None
+    if options:
+        raise pp.CheckpointError("Strategy.load(strict=False / keys=): the JAX runtime loads whole models only; "
+                                 "nothing was loaded. Load it whole, or copy the arrays you need from "
+                                 "polyparallel_jax.checkpoint.restore(path, {name: target}).")
     from . import saving
     from .model import Model
 

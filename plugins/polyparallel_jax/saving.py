@@ -10,6 +10,10 @@ Loading checks every name and shape against the objects it loads into before any
 restored, then reads each array into the sharding the object has on the reading mesh. Flax
 msgpack files written by earlier versions of ``Model.save`` (a file, not a directory) are still
 read by ``Model.load``.
+
+A ``Model`` is saved and loaded through its public methods (:class:`SavedModel`): this module
+does not import :mod:`polyparallel_jax.model` (which imports it), and the Model's state changes
+only by its own methods (``place``, ``restore_state``, with its one reset).
 """
 
 from __future__ import annotations
@@ -17,20 +21,20 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
 import polyparallel as pp
 from polyparallel import _checkpoints as core
+from polyparallel._errors import exception_summary
 
 from . import checkpoint as ck
+from .steps import split_state
 
-if TYPE_CHECKING:
-    from .model import Model
-
-__all__ = ["checkpoint_every", "fit_checkpoint", "load_model", "load_module", "record_fit", "save_model", "save_module", "start_position"]
+__all__ = ["MODULE_SECTIONS", "SavedModel", "checkpoint_every", "fit_checkpoint", "load_model", "load_module",
+           "module_sections", "save_model", "save_module", "start_position"]
 
 MODULE_SECTIONS = ("module/params", "module/batch_stats", "module/other")
 #: What fit(checkpoint=DIR) names its checkpoints in DIR (found again by polyparallel.latest_checkpoint).
@@ -39,10 +43,34 @@ FIT_PATTERN = "step-*"
 FIT_KEEP = 2
 
 
-def _module_sections(module: Any) -> dict[str, Any]:
-    from .model import _split_state
+class SavedModel(Protocol):
+    """What saving uses of a :class:`polyparallel_jax.Model`: its public attributes and methods."""
 
-    _, params, stats, rest = _split_state(module)
+    module: Any
+    optimizer: Any
+    history: dict[str, list[float]]
+
+    @property
+    def placed_strategy(self) -> pp.Strategy | None: ...
+
+    @property
+    def fit_progress(self) -> dict[str, Any] | None: ...
+
+    def place(self, strategy: pp.Strategy | None = None) -> pp.Strategy | None: ...
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def restore_state(self, read: Callable[[dict[str, Any]], Mapping[str, Any]], *, optimizer: bool,
+                      progress: Mapping[str, Any] | None = None) -> None: ...
+
+    def save(self, path: str, **extras: Any) -> str: ...
+
+    def load(self, path: str, strategy: pp.Strategy | None = None, loader: Any = None) -> dict[str, Any]: ...
+
+
+def module_sections(module: Any) -> dict[str, Any]:
+    """An NNX module's state by checkpoint section (:data:`MODULE_SECTIONS`), as placed now."""
+    _, params, stats, rest = split_state(module)
     return dict(zip(MODULE_SECTIONS, (params, stats, rest)))
 
 
@@ -134,83 +162,95 @@ def _check_loader(path: str, metadata: Mapping[str, Any], loader: Any) -> None:
 # -- Model ----------------------------------------------------------------------------------------
 
 
-def save_model(model: Model, path: str, extras: Mapping[str, Any], framework: str = "flax",
+def save_model(model: SavedModel, path: str, extras: Mapping[str, Any], framework: str = "flax",
                loader: Any = None) -> str:
     """``Model.save``: module state, optimizer state, ``fit`` progress (or ``loader``'s) and ``extras``."""
-    model._finish_local_stats()
-    sections = _module_sections(model.module)
-    opt_state = model._opt_state if model._opt_state is not None else model._saved_opt_state
-    if opt_state is not None:
-        sections["optimizer"] = opt_state
-    strategy = model._placed[0] if model._placed is not None else None
-    info = model._fit_info or {}
+    sections = model.checkpoint_state()
+    info = model.fit_progress or {}
     progress = loader.state_dict() if loader is not None else info.get("loader")
-    metadata, extra_arrays = _metadata(strategy, framework, progress, extras,
+    metadata, extra_arrays = _metadata(model.placed_strategy, framework, progress, extras,
                                        fit={"history": info.get("history", {}), "partial": info.get("partial", [])})
     arrays = {**_arrays(sections), **extra_arrays}
     return ck.write(path, arrays, _describe(metadata, arrays, progress is not None))
 
 
-def load_model(model: Model, path: str, strategy: pp.Strategy | None, loader: Any = None) -> dict[str, Any]:
+def load_model(model: SavedModel, path: str, strategy: pp.Strategy | None, loader: Any = None) -> dict[str, Any]:
     """``Model.load``: check, place on the reading strategy's mesh, restore into that placement."""
     import jax
-    from flax import nnx
 
     if os.path.isfile(path):
-        return load_msgpack(model, path)
+        return load_msgpack(model, path, strategy)
     metadata = ck.read_metadata(path)
     _check_loader(path, metadata, loader)
     stored = ck.stored_leaves(path)
     expected: dict[str, Any] = {}
-    for prefix, tree in _module_sections(model.module).items():
+    for prefix, tree in module_sections(model.module).items():
         expected.update(ck.shapes(ck.tree_arrays(tree, prefix)))
     with_optimizer = any(name.startswith("optimizer/") for name in stored)
     if with_optimizer:  # the optimizer's structure, without computing anything
-        params = _module_sections(model.module)["module/params"]
+        params = module_sections(model.module)["module/params"]
         expected.update(_abstract(jax.eval_shape(model.optimizer.init, params), "optimizer"))
     ck.check_leaves(path, stored, expected, ("module", "optimizer"))
     # The reading placement first: every array is then read straight into its sharding there.
-    model._place(strategy)
-    model._finish_local_stats()
-    model._local_stats, model._steps, model._saved_opt_state = None, {}, None
-    sections = _module_sections(model.module)
-    if with_optimizer:
-        sections["optimizer"] = model._init_optimizer(sections["module/params"])
-    restored = ck.restore_trees(path, sections)
-    nnx.update(model.module, *(restored[name] for name in MODULE_SECTIONS))
-    model._opt_state = restored.get("optimizer")
-    model._fit_info = {"loader": metadata.get("loader"), **(metadata.get("fit") or {})}
+    model.place(strategy)
+    model.restore_state(lambda targets: ck.restore_trees(path, targets), optimizer=with_optimizer,
+                        progress={"loader": metadata.get("loader"), **(metadata.get("fit") or {})})
     if loader is not None:
         loader.load_state_dict(metadata["loader"])
     return _result(path, metadata)
 
 
-def load_msgpack(model: Model, path: str) -> dict[str, Any]:
+def load_msgpack(model: SavedModel, path: str, strategy: pp.Strategy | None = None) -> dict[str, Any]:
     """A flax msgpack file written by ``Model.save`` before the orbax format: parameters and
-    BatchNorm statistics, optimizer leaves in order (no names, so only their count is checked)."""
+    BatchNorm statistics (checked by name and shape), optimizer leaves in order (no names, so only
+    their count is checked); restored into the reading placement like a checkpoint directory."""
     import jax
     from flax import nnx, serialization
+    from msgpack.exceptions import UnpackException
 
+    expected_format = ("Model.load() reads a checkpoint directory written by Model.save(), or a flax msgpack file "
+                       "written by an earlier Model.save()")
     with open(path, "rb") as f:
-        blob = serialization.msgpack_restore(f.read())
+        content = f.read()
+    try:
+        blob = serialization.msgpack_restore(content)
+    except (ValueError, UnpackException) as exc:  # msgpack's ExtraData, FormatError, OutOfData, ...
+        raise pp.CheckpointError(f"{path!r} is a file that is not msgpack ({exception_summary(exc)}); "
+                                 f"{expected_format}. Pass the checkpoint's directory.") from None
     if not isinstance(blob, dict) or "module" not in blob:
-        raise pp.CheckpointError(f"{path!r} is neither a checkpoint directory nor a msgpack file written by "
-                                 "Model.save().")
-    state = nnx.state(model.module, (nnx.Param, nnx.BatchStat))
-    nnx.replace_by_pure_dict(state, blob["module"])
+        raise pp.CheckpointError(f"{path!r} is msgpack but holds no 'module' state; {expected_format}.")
+    values = ck.tree_arrays(blob["module"], "module")  # parameters and statistics together, by path
+    here = ck.tree_arrays(nnx.state(model.module, (nnx.Param, nnx.BatchStat)), "module")
+    ck.check_leaves(path, ck.shapes(values), ck.shapes(here), ("module",))
     saved = blob.get("opt_state") or {}
-    opt_state = None
     if saved:
         params = nnx.state(model.module, nnx.Param)
-        leaves, structure = jax.tree.flatten(jax.eval_shape(model.optimizer.init, params))
-        if len(leaves) != len(saved):
+        count = len(jax.tree.leaves(jax.eval_shape(model.optimizer.init, params)))
+        if count != len(saved):
             raise pp.CheckpointError(f"The checkpoint's optimizer state has {len(saved)} arrays; this optimizer has "
-                                     f"{len(leaves)}. Load it into a Model with the same optimizer.")
-        opt_state = jax.tree.unflatten(structure, [np.asarray(saved[str(i)]) for i in range(len(saved))])
-    nnx.update(model.module, state)
-    model._placed, model._steps, model._local_stats, model._opt_state = None, {}, None, None
-    model._saved_opt_state, model._fit_info = opt_state, None
+                                     f"{count}. Load it into a Model with the same optimizer.")
+    optimizer = [saved[str(i)] for i in range(len(saved))]
+
+    def read(targets: dict[str, Any]) -> dict[str, Any]:  # the file names module leaves "module/<path>"
+        out = {name: _placed_like(targets[name], [values[k] for k in ck.flatten(targets[name], "module")])
+               for name in ("module/params", "module/batch_stats")}
+        if "optimizer" in targets:
+            out["optimizer"] = _placed_like(targets["optimizer"], optimizer)
+        return out
+
+    model.place(strategy)
+    model.restore_state(read, optimizer=bool(saved), progress=None)
     return {"epoch": None, "step": None, "global_step": None}
+
+
+def _placed_like(tree: Any, values: list[Any]) -> Any:
+    """``tree`` with its array leaves replaced, in order, by ``values`` (host arrays) placed in
+    their shardings and dtypes."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, [jax.device_put(np.asarray(value, leaf.dtype), leaf.sharding)
+                                        for value, leaf in zip(values, leaves, strict=True)])
 
 
 # -- a plain NNX module (and nnx.Optimizer) through the hooks ---------------------------------------
@@ -221,7 +261,7 @@ def save_module(strategy: pp.Strategy, path: str, module: Any, optimizer: Any, l
     """A ``flax.nnx.Module`` (and an ``nnx.Optimizer``) as they are placed now."""
     from flax import nnx
 
-    sections = _module_sections(module)
+    sections = module_sections(module)
     if optimizer is not None:
         sections["optimizer"] = nnx.state(optimizer)
     metadata, extra_arrays = _metadata(strategy, framework, loader.state_dict() if loader is not None else None, extras)
@@ -236,7 +276,7 @@ def load_module(path: str, module: Any, optimizer: Any, loader: Any) -> dict[str
 
     metadata = ck.read_metadata(path)
     _check_loader(path, metadata, loader)
-    sections = _module_sections(module)
+    sections = module_sections(module)
     checked: tuple[str, ...] = ("module",)
     if optimizer is not None:
         sections["optimizer"] = nnx.state(optimizer)
@@ -265,19 +305,7 @@ def checkpoint_every(checkpoint: str | None, every: int | None) -> int | None:
     return every
 
 
-def record_fit(model: Model, directory: str | None, data: Any, results: list[Any]) -> None:
-    """Record ``fit``'s position (the data's, and the partial epoch's metric sums so that a
-    resumed epoch's history is an uninterrupted one's); save it into ``directory`` if given."""
-    import jax
-
-    partial = [({k: float(v) for k, v in m.items()}, int(c)) for m, c in jax.device_get(results)]
-    model._fit_info = {"loader": data.state_dict(), "history": {k: list(v) for k, v in model.history.items()},
-                       "partial": partial}
-    if directory is not None:
-        fit_checkpoint(model, directory, data.global_step)
-
-
-def fit_checkpoint(model: Model, directory: str, global_step: int) -> None:
+def fit_checkpoint(model: SavedModel, directory: str, global_step: int) -> None:
     """``fit(checkpoint=DIR)``: save ``DIR/step-<global step>``, then keep the newest
     :data:`FIT_KEEP` committed ones (half-written ones of killed jobs go too)."""
     import shutil
@@ -293,7 +321,7 @@ def fit_checkpoint(model: Model, directory: str, global_step: int) -> None:
                 shutil.rmtree(entry["path"], ignore_errors=True)
 
 
-def start_position(model: Model, checkpoint: str | None, resume: bool | str, data: Any) -> tuple[int, int, list[Any]]:
+def start_position(model: SavedModel, checkpoint: str | None, resume: bool | str, data: Any) -> tuple[int, int, list[Any]]:
     """Where ``fit`` starts: ``(0, 0, [])``, or after loading the checkpoint ``resume`` names
     (``True``: the newest committed one in ``checkpoint``, none yet: from scratch) the saved
     epoch, step and partial epoch's metric sums, with the saved history put back. A fit whose

@@ -29,7 +29,17 @@ Older checkpoints still load: a *file* (the consolidated checkpoint earlier vers
 adapter wrote at stage 0, full tensors) goes through Lightning's ``CheckpointIO`` and is cut into
 this rank's shards (:func:`localize_state`, :func:`localize_optimizer`; local slicing, no
 communication); a directory written by Lightning's ``ModelParallelStrategy`` (earlier versions
-of the adapter at stages 1-3: it holds ``meta.pt``) goes through that strategy's own loader.
+of the adapter at stages 1-3: it holds ``meta.pt``) is read as that strategy reads it, except
+that nothing is unpickled (:func:`load_lightning_directory`: DCP's index through the allow-listed
+reader, its other entries and ``meta.pt`` with ``torch.load(weights_only=True)``), so a crafted
+directory cannot run code. A failed save raises ``polyparallel.CheckpointError`` on every rank
+(Lightning's ``ModelCheckpoint`` sees an ordinary exception; nothing is published).
+
+Asynchronous saves: with Lightning's own switch, ``Trainer(plugins=[AsyncCheckpointIO()])``, each
+save goes through ``strategy.async_save`` (training continues while the files are written; the
+commit stays atomic). The save in flight is finished (its error raised, on every rank) before
+the next save, before ``ModelCheckpoint`` removes an older checkpoint (the new one is committed
+first), before a load, and at the strategy's teardown.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import polyparallel as pp
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["CheckpointMixin", "is_tensor_parallel", "localize_state", "localize_optimizer"]
+__all__ = ["CheckpointMixin", "is_tensor_parallel", "load_lightning_directory", "localize_state", "localize_optimizer"]
 
 #: What Lightning's checkpoint dictionary holds that the polyparallel checkpoint stores itself.
 _TENSOR_STATE = ("state_dict", "optimizer_states")
@@ -135,6 +145,38 @@ def resumable_loader_class() -> type:
     return ResumableLoader
 
 
+def load_lightning_directory(strategy: Any, path: str, weights_only: bool | None) -> dict[str, Any]:
+    """A directory in Lightning's own ``ModelParallelStrategy`` format (DCP shards + ``meta.pt``:
+    what earlier versions of the adapter wrote at stages 1-3), restored into ``strategy.model``
+    and its optimizers as Lightning's own loader does, but without unpickling anything: DCP's
+    ``.metadata`` is read with the allow-listed reader (a crafted index is refused before
+    anything is read), its non-tensor entries with ``torch.load(weights_only=True)`` first, and
+    ``meta.pt`` with ``weights_only=True`` unless the caller passed ``weights_only=False``.
+    Returns the rest of Lightning's checkpoint dictionary (``meta.pt``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from polyparallel_torch.checkpoint_files import read_dcp_metadata, safe_load_planner, safe_reader
+
+    read_dcp_metadata(path, allow_bytes=True)  # every rank refuses a crafted index alike, before any collective
+    module = strategy.model
+    module_state = {"state_dict": get_model_state_dict(module)}
+    dcp.load(module_state, storage_reader=safe_reader(path, allow_bytes=True), planner=safe_load_planner())
+    module.load_state_dict(module_state["state_dict"], strict=strategy.lightning_module.strict_loading)
+    for idx, optimizer in enumerate(_plain(o) for o in strategy.optimizers):
+        key = f"optimizer_{idx}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optim_state, storage_reader=safe_reader(path, allow_bytes=True), planner=safe_load_planner())
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return torch.load(os.path.join(path, _LIGHTNING_METADATA), weights_only=weights_only is not False)
+
+
 def _plain(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (``_optimizer``, public as ``optimizer``)."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -150,6 +192,26 @@ class CheckpointMixin:
     _pp: Any
     #: How the checkpoint being restored was read: "polyparallel", "file" (consolidated) or "lightning".
     _restored_from: str | None = None
+    #: The future of the asynchronous save in flight (``AsyncCheckpointIO``), if any.
+    _pending_save: Any = None
+
+    def _asynchronous(self) -> bool:
+        """Whether the Trainer asked for asynchronous saves (Lightning's ``AsyncCheckpointIO`` plugin)."""
+        io = getattr(self, "_checkpoint_io", None)
+        return any(c.__name__ == "AsyncCheckpointIO" for c in type(io).__mro__) if io is not None else False
+
+    def _finish_pending_save(self) -> None:
+        """Finish the asynchronous save in flight, raising its error (the same on every rank)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def teardown(self) -> None:
+        """The save in flight is finished first, then Lightning's teardown."""
+        try:
+            self._finish_pending_save()
+        finally:
+            super().teardown()  # type: ignore[misc]
 
     # -- saving ---------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -191,7 +253,11 @@ class CheckpointMixin:
         loader = self._train_loader()
         if loader is not None:
             state["loader"] = loader  # its position, for a resume outside Lightning (Ignite, a plain loop)
-        self._pp.save(path, **state)
+        self._finish_pending_save()
+        if self._asynchronous():
+            self._pending_save = self._pp.async_save(path, **state)
+        else:
+            self._pp.save(path, **state)
 
     def _train_loader(self) -> Any:
         """The training loader ``strategy.shard_data`` made for the (last) fit, if any."""
@@ -204,7 +270,9 @@ class CheckpointMixin:
         return loader if isinstance(loader, ShardedLoader) else None
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove a checkpoint (a directory, or an older file) once, after every rank is past it."""
+        """Remove a checkpoint (a directory, or an older file) once, after every rank is past it
+        (and after the save in flight, which replaces it, is committed)."""
+        self._finish_pending_save()
         self.barrier("remove_checkpoint")  # type: ignore[attr-defined]
         if self.global_rank == 0:  # type: ignore[attr-defined]
             self.checkpoint_io.remove_checkpoint(filepath)  # type: ignore[attr-defined]
@@ -228,6 +296,7 @@ class CheckpointMixin:
         :param weights_only: Lightning's (2.6) option for ``torch.load``; used for older files
             only (a polyparallel checkpoint never unpickles objects).
         """
+        self._finish_pending_save()
         path = os.fspath(self.broadcast(os.fspath(checkpoint_path)))  # type: ignore[attr-defined]
         if os.path.isfile(path):
             self._restored_from = "file"

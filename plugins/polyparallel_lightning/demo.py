@@ -11,6 +11,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
+from polyparallel_torch.demo import step_loss_metrics, with_step_losses
 
 from .namespaces import ModuleMixinBase
 
@@ -29,6 +30,8 @@ class DigitsModuleMixin(ModuleMixinBase):
         torch.manual_seed(p.seed)
         self.net = nn.Sequential(nn.Linear(p.inputs, p.hidden), nn.ReLU(), nn.Linear(p.hidden, p.classes))
         self.step_times: list[float] = []
+        self.step_sums: list[float] = []  # this rank's loss x samples of every step, and the samples
+        self.step_counts: list[int] = []
         self._started = 0.0
 
     def forward(self, x: Any) -> Any:
@@ -42,6 +45,8 @@ class DigitsModuleMixin(ModuleMixinBase):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=len(y))
+        self.step_sums.append(loss.item() * len(y))
+        self.step_counts.append(len(y))
         return loss
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
@@ -92,8 +97,9 @@ def train_digits(strategy: pp.Strategy, namespace: str = "lightning.pytorch") ->
     final_loss = float(trainer.callback_metrics["train_loss"])
     trainer.test(module, test, verbose=False)
     accuracy = float(trainer.callback_metrics["accuracy"])
-    step_ms = strategy.reduce_metrics({"step_time_ms": 1000 * statistics.median(module.step_times)})["step_time_ms"]
-    return {"final_loss": final_loss, "accuracy": accuracy, "step_time_ms": step_ms}
+    reduced = strategy.reduce_metrics({"step_time_ms": 1000 * statistics.median(module.step_times),
+                                       **step_loss_metrics(module.step_sums, module.step_counts)})
+    return with_step_losses({"final_loss": final_loss, "accuracy": accuracy, **reduced}, p.epochs)
 
 
 def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:

@@ -16,11 +16,12 @@ hooks run around it.
 Checkpoints are polyparallel checkpoints (:mod:`.checkpoint`): one ``torch.distributed.checkpoint``
 directory written through ``strategy.save`` (each rank its shards), which loads at another topology,
 in another framework or in one process. Directories Lightning's ``ModelParallelStrategy`` wrote
-(earlier versions of the adapter: they hold ``meta.pt``) are still read, by that strategy's loader.
+(earlier versions of the adapter: they hold ``meta.pt``) are still read, as that strategy reads
+them but with the allow-listed reader (nothing is unpickled).
 
 **Lightning names relied on** beyond :mod:`.strategy`'s, all public: ``ModelParallelStrategy``
-(its ``__init__`` arguments ``process_group_backend``, ``timeout``; ``load_checkpoint`` for
-its own older directories; ``setup_optimizers``, ``tensor_init_context``, ``model_to_device``), ``device_mesh``,
+(its ``__init__`` arguments ``process_group_backend``, ``timeout``; ``setup_optimizers``,
+``tensor_init_context``, ``model_to_device``), ``device_mesh``,
 ``Strategy.training_step``/``validation_step``/``test_step``/``predict_step`` and the precision
 plugin's ``train_step_context``/``val_step_context``/``test_step_context``/``predict_step_context``,
 ``accelerator.setup_device``/``setup``, ``setup_precision_plugin``.
@@ -34,7 +35,7 @@ from typing import Any
 
 from torch import nn
 
-from .checkpoint import CheckpointMixin
+from .checkpoint import load_lightning_directory
 from .namespaces import per_namespace_class
 from .strategy import StrategyMixin
 
@@ -108,10 +109,9 @@ class ShardedMixin(StrategyMixin):
 
     def _load_legacy_directory(self, path: str, weights_only: bool | None) -> dict[str, Any]:
         """A directory in Lightning's ``ModelParallelStrategy`` format (what earlier versions of the
-        adapter wrote at stages 1-3): read by that strategy's own ``load_checkpoint``, which
-        restores the model and optimizers itself."""
-        options = {} if weights_only is None else {"weights_only": weights_only}  # Lightning 2.4 lacks it
-        return super(CheckpointMixin, self).load_checkpoint(path, **options)  # type: ignore[misc]
+        adapter wrote at stages 1-3), read as that strategy's ``load_checkpoint`` reads it but
+        never unpickling anything (:func:`.checkpoint.load_lightning_directory`)."""
+        return load_lightning_directory(self, path, weights_only)
 
     # -- steps run through the sharded module's forward -------------------------------------------------
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -306,7 +306,7 @@ class StrategyMixin(CheckpointMixin):
         connector, self._quieted = self._quieted, None
         if connector is not None:
             vars(connector).pop("_resolve_sampler", None)
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     def _scope_torchmetrics(self) -> None:
         # torchmetrics reduce over the world unless told otherwise: with tensor replicas that

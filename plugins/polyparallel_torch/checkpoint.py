@@ -1,35 +1,36 @@
-"""Portable, atomic checkpoints of the torch runtime (``Strategy.save`` / ``Strategy.load``).
+"""Portable, atomic checkpoints of the torch runtime (``Strategy.save`` / ``async_save`` / ``load``).
 
 A checkpoint is a directory: the tensors of the model, the optimizer and the extras as one
 ``torch.distributed.checkpoint`` (DCP) checkpoint, each rank's RNG states and non-tensor values
 as JSON (``ranks/``, :mod:`.checkpoint_files`), and the commit marker
-``polyparallel-checkpoint.json`` with the metadata (topology, progress, loader position,
-extras; :mod:`polyparallel._checkpoints`).
+``polyparallel-checkpoint.json`` (format version 2, :mod:`polyparallel._checkpoints`): topology,
+progress, loader position, extras, every tensor's name/shape/dtype, the save id, and the size and
+SHA-256 of every file.
 
 Saving: each rank writes the shards it holds (FSDP2 shards over ``data``, DTensor shards over
 ``tensor``, its stage of a pipeline); a tensor replicated on several ranks (a DDP replica, a
 tensor-parallel shard repeated over ``data``) is written once, by one of them (DCP's
-de-duplication of the save plans). Everything goes into ``<path>.partial-<token>``; after a
-barrier rank 0 writes the marker and renames the directory to ``path``; a last check tells every
-rank it was published. A job killed while saving leaves only the staging directory, which
-``Strategy.load`` and ``polyparallel.latest_checkpoint`` never take.
+de-duplication of the save plans). Everything goes into ``<path>.partial-<save id>``, every file
+hashed while it is written (:func:`.checkpoint_files.hashing_writer`). Before DCP writes, one
+agreement checks that every rank is at the same save and tells every rank what failed on any
+(its JSON file could not be written: a full disk); after it, the ranks gather their file records
+and rank 0 writes the marker and renames the directory to ``path``
+(:mod:`.checkpoint_commit`). A failure anywhere is the same :class:`polyparallel.CheckpointError`
+on every rank (path, rank, the operating system's error), and the staging directory is removed.
+A job killed while saving leaves only the staging directory, which ``Strategy.load`` and
+``polyparallel.latest_checkpoint`` never take. ``Strategy.async_save`` stages the tensors and
+commits in the background (:mod:`.checkpoint_async`).
 
-Loading reads into a model wrapped by any topology and sharding stage — another data size, or a
-plain module in a single process (``pp.Strategy(data=1)``) — because DCP reshards. The state is
-taken and put back with ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+Loading (:mod:`.checkpoint_load`) reads into a model wrapped by any topology and sharding stage —
+another data size, or a plain module in a single process (``pp.Strategy(data=1)``) — because DCP
+reshards. The state is taken and put back with ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
 ``set_state_dict`` (the optimizer's flattened, per parameter name), so keys are the unwrapped
 module's (no ``module.`` prefix from DDP; a pipeline stage keeps the unsplit model's names).
-Before any collective every rank checks the marker, the files' sizes, DCP's index (read with an
-allow-listed unpickler), the model's keys and shapes, the optimizer's state keys both ways (a
-state the optimizer would not take is refused, not dropped; a fresh optimizer's state is created
-first even when gradients are present), and the loader's global batch (for a ``PipelineModel``,
-every stage's model and optimizer keys are gathered over the pipeline group first, so the whole
-model's are compared and every stage refuses alike). Saving likewise reads the loader's
-position on every rank before its first collective. Then the runtime's identity check (every rank at the same load of the
-same path) runs before DCP's own collectives over the default group, bounded by the timeout.
+An optimizer must be built on the model's own parameters (checked on save and load).
 
 A plugin whose objects the torch runtime cannot read (DeepSpeed's engine) converts them itself
-and passes a :class:`StateDicts` as ``model=``: the same files, checks and commit, without
+and passes a :class:`StateDicts` as ``model=`` to :func:`save` / :func:`load`: the same files,
+hashes, save id, agreements, failures, commit, asynchronous save and partial loads, without
 ``get_state_dict`` / ``set_state_dict``.
 """
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import secrets
 import warnings
@@ -51,12 +51,13 @@ import polyparallel as pp
 from polyparallel import _checkpoints
 from polyparallel._errors import exception_summary
 
-from .checkpoint_files import _safe_reader, read_dcp_metadata, read_rank_files, restore_rng, write_rank_file
+from .checkpoint_files import hashing_writer, write_rank_file
 from .runtime import get_runtime
 
-__all__ = ["StateDicts", "load", "load_checkpoint", "save", "save_checkpoint"]
+__all__ = ["StateDicts", "load", "load_checkpoint", "next_save_id", "save", "save_checkpoint"]
 
 _TOKEN = "polyparallel_torch.checkpoint.token"
+_COUNT = "polyparallel_torch.checkpoint.count"
 
 
 def _options() -> Any:
@@ -72,22 +73,27 @@ class StateDicts:
     """A model (and optimizer) state already converted to this format, given as ``model=`` to
     :func:`save` / :func:`load` by a plugin whose objects the torch runtime cannot read itself
     (DeepSpeed's engine: ``polyparallel_deepspeed.checkpoint``). Everything else is the same:
-    files, marker, atomic commit, checks and resharding.
+    files hashed while written, save id, agreements, failures, commit, ``async_save``, checks,
+    resharding and partial loads.
 
     :param model: a plain module's ``state_dict()`` (parameter and buffer name -> tensor, no
         wrapper prefix; full tensors or DTensors). For :func:`load`, tensors of the shapes and
-        dtypes to read into (filled in place).
+        dtypes to read into (filled in place). For an asynchronous save, tensors the caller no
+        longer changes (copies): DCP stages them while the training goes on.
     :param optim: ``None`` (no optimizer), or the flattened optimizer state dict that
         ``get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))`` gives:
         ``state.<name>.<key>`` tensors and ``param_groups.<name>.<hyperparameter>`` values. For
         :func:`load`, the state to read into (its tensors filled in place, its values replaced).
     :param pipeline: this rank holds one pipeline stage's keys; the whole model's are gathered
         over the pipeline group, as for a ``PipelineModel``.
+    :ivar loaded: after :func:`load`, the keys of ``model`` that were read (all of them, or
+        those of a partial load's ``load_report``); the caller applies those only.
     """
 
     model: dict[str, Any]
     optim: dict[str, Any] | None = None
     pipeline: bool = False
+    loaded: list[str] | None = None
 
 
 def _module(model: Any) -> nn.Module:
@@ -125,6 +131,15 @@ def _has_optim(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> boo
     return model.optim is not None
 
 
+def _state_dicts(model: Any, module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> tuple[dict, dict]:
+    """``get_state_dict`` of the model and optimizers, or a :class:`StateDicts`' own dicts."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if isinstance(model, StateDicts):
+        return model.model, model.optim or {}
+    return get_state_dict(module, optimizers, options=_options())
+
+
 def _loader(loader: Any) -> Any:
     from .data import ShardedLoader
 
@@ -134,13 +149,23 @@ def _loader(loader: Any) -> Any:
     return loader
 
 
-def _check_identity(strategy: pp.Strategy, operation: str, path: str, keys: list[str]) -> None:
-    session = strategy.session()
-    rt = get_runtime(session)
-    rt.ensure_usable(operation, "world")
-    if session.world_size > 1:
-        digest = hashlib.blake2b(";".join(keys).encode(), digest_size=8).hexdigest()
-        rt.check(operation, "world", f"{path}, {len(keys)} keys {digest}")
+def _check_optimizer_of_model(where: str, module: nn.Module | None,
+                              optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
+    """Refuse an optimizer holding parameters the model has not (its state is saved and restored
+    per parameter name of the model: a stranger's parameters have none)."""
+    if module is None or not optimizers:
+        return
+    own = {id(p) for p in module.parameters()}
+    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    strangers = [p for p in params if id(p) not in own]
+    if strangers:
+        shapes = [list(p.shape) for p in strangers[:4]]
+        raise pp.CheckpointError(
+            f"{where}(optimizer=): {len(strangers)} of the optimizer's {len(params)} parameters (shapes {shapes}"
+            f"{' ...' if len(strangers) > 4 else ''}) are not parameters of model= ({type(module).__name__}): the "
+            "optimizer was built on another model (or on the model before strategy.wrap_model replaced its "
+            "parameters). Its state is saved per parameter name of the model; pass the optimizer made from "
+            "this model's parameters, e.g. torch.optim.AdamW(model.parameters()) after wrap_model.")
 
 
 def _all_stages(strategy: pp.Strategy, model: Any, entries: dict[str, Any], operation: str) -> dict[str, Any]:
@@ -193,19 +218,45 @@ def _single(session: pp.Session) -> Iterator[None]:
         yield
 
 
-# -- save ----------------------------------------------------------------------------------------------------
-def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
-    """The torch runtime's ``polyparallel_save_checkpoint`` (see ``Strategy.save``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def next_save_id(strategy: pp.Strategy) -> str:
+    """This save's identity, the same on every rank without a collective: the session's token and
+    the number of its saves (every rank saves in step; the agreement of each save checks it)."""
     session = strategy.session()
+    token = _token(strategy)
+    count = session.stash(_COUNT, lambda: [0])
+    count[0] += 1
+    return f"{token}-{count[0]}"
+
+
+def _arrays(dcp_metadata: Any) -> list[dict[str, Any]]:
+    """The marker's tensor listing (name, global shape, dtype) from the index DCP wrote."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return [{"name": k, "shape": list(v.size), "dtype": str(v.properties.dtype).replace("torch.", "")}
+            for k, v in sorted(dcp_metadata.state_dict_metadata.items()) if isinstance(v, TensorStorageMetadata)]
+
+
+# -- save ----------------------------------------------------------------------------------------------------
+def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[str, Any] | None = None) -> Any:
+    """The torch runtime's ``polyparallel_save_checkpoint`` (see ``Strategy.save``): the path, or
+    with ``options={"asynchronous": True}`` (``Strategy.async_save``) a
+    :class:`~.checkpoint_async.CheckpointFuture` once the tensors are staged."""
+    import torch.distributed.checkpoint as dcp
+
+    from . import checkpoint_async
+    from .checkpoint_commit import Channel, agree, commit, dcp_failures, fail
+
+    asynchronous = bool((options or {}).get("asynchronous"))
+    session = strategy.session()
+    # One save at a time: a save in flight is finished first (its error, unretrieved, stops this one).
+    previous = checkpoint_async.wait_in_flight()
     state = dict(state)
     model, optimizer, loader = state.pop("model", None), state.pop("optimizer", None), _loader(state.pop("loader", None))
     framework = state.pop("framework", None)
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.save(optimizer=) needs model= too: the optimizer's state is saved per parameter name.")
+    _check_optimizer_of_model("Strategy.save", module, optimizers)
     has_optim = _has_optim(model, optimizers)
     try:
         extras, extra_tensors = _checkpoints.split(state, lambda v: isinstance(v, torch.Tensor), "extras")
@@ -215,8 +266,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
     values: dict[str, Any] = {}
     model_keys: list[str] = []
     if module is not None:
-        model_state, optim_state = ((model.model, model.optim or {}) if isinstance(model, StateDicts)
-                                    else get_state_dict(module, optimizers, options=_options()))
+        model_state, optim_state = _state_dicts(model, module, optimizers)
         part, values["model"] = _split("model", model_state)
         tensors.update(part)
         if has_optim:
@@ -233,7 +283,8 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
             raise pp.CheckpointError(f"Strategy.save(loader=): this loader has no position to save ({exc}). Give "
                                      "a loader strategy.shard_data made with a batch size, or save without "
                                      "loader=.") from None
-    metadata = _checkpoints.base_metadata(strategy, session, framework)
+    save_id = next_save_id(strategy)
+    metadata = _checkpoints.base_metadata(strategy, session, framework, save_id)
     metadata.update(
         torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
         contents={"model": module is not None, "optimizer": has_optim, "loader": loader is not None,
@@ -241,166 +292,41 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> str:
         loader=loader_state, extras=extras,
         progress=None if loader_state is None else {"epoch": loader_state["epoch"], "step": loader_state["batches"],
                                                     "global_step": loader_state["global_step"]})
-    token = _token(strategy)
-    staging = _checkpoints.staging_path(path, token)
+    staging = _checkpoints.staging_path(path, save_id)
     # Written before any collective of this save: a peer that dies now leaves a staging
-    # directory that was never published.
-    os.makedirs(staging, exist_ok=True)
-    write_rank_file(staging, session.rank, values)
-    # Rank-independent: a pipeline stage's own keys differ from its peers'.
-    _check_identity(strategy, "save_checkpoint", path, [*model_keys, *sorted(extra_tensors), f"optim={has_optim}"])
-    rt = get_runtime(session)
-    with rt.collective("save_checkpoint (DCP)", "world"), _single(session):
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging), no_dist=session.world_size == 1)
-    outcome = "written"
-    if session.world_size > 1:
-        rt.check("save_checkpoint (written)", "world", path)  # every rank finished its files
-    if session.rank == 0:
+    # directory that was never published. A local failure (a full disk) is told to every rank
+    # by the agreement below, which every rank enters whatever happened here.
+    problem, rank_record = previous, None
+    if problem is None:
         try:
-            _checkpoints.write_marker(staging, metadata)
-            _checkpoints.publish(staging, path)
-            outcome = "published"
-        except Exception as exc:  # any error is told to the peers below, which else wait for the timeout
-            outcome = f"failed on rank 0: {exception_summary(exc, first_line=False)}"
-    if session.world_size > 1:
-        # Every rank returns once the checkpoint is published (or learns that it was not).
-        rt.check("save_checkpoint (publish)", "world", "published" if session.rank else outcome)
-    if outcome.startswith("failed"):
-        raise pp.CheckpointError(f"Strategy.save: publishing {path!r} {outcome}.")
-    return path
-
-
-# -- load ----------------------------------------------------------------------------------------------------
-def _mismatch(expected: dict[str, Any], stored: dict[str, Any]) -> str | None:
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    resized = sorted(k for k in set(expected) & set(stored) if expected[k] is not None and stored[k] is not None
-                     and tuple(expected[k]) != tuple(stored[k]))
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
-    if unexpected:
-        parts.append(f"not in the model: {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
-    if resized:
-        parts.append("other shapes: " + ", ".join(f"{k} {list(stored[k])} in the checkpoint vs {list(expected[k])}"
-                                                  for k in resized[:4]))
-    return "; ".join(parts) or None
-
-
-def _merged(files: dict[int, dict[str, Any]], section: str) -> dict[str, Any]:
-    """The non-tensor values of ``section`` over every rank's file (keys are parameter names, so
-    the union holds every stage's; replicas wrote equal values)."""
-    merged: dict[str, Any] = {}
-    for payload in files.values():
-        merged.update(_checkpoints.join(payload["values"].get(section, {}), {}))
-    return merged
-
-
-def _state_for_load(module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> tuple[dict, dict]:
-    """``get_state_dict`` of ``module`` and ``optimizers``, with the optimizer's state initialised:
-    DCP creates the state of a fresh optimizer (the tensors the checkpoint's are read into) by a
-    step with zero gradients, but skips that when any parameter has a ``.grad`` (a backward ran
-    before the load), which would leave no state to load into and drop the saved one silently.
-    The gradients are set aside for that step and put back."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    fresh = bool(optimizers) and not any(o.state for o in optimizers)
-    grads = [p.grad for p in params] if fresh else []
-    try:
-        if fresh:
-            for p in params:
-                p.grad = None
-        return get_state_dict(module, optimizers, options=_options())
-    finally:
-        for p, grad in zip(params if fresh else [], grads):
-            p.grad = grad
-
-
-def load(strategy: pp.Strategy, path: str, state: dict[str, Any]) -> dict[str, Any]:
-    """The torch runtime's ``polyparallel_load_checkpoint`` (see ``Strategy.load``)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    session = strategy.session()
-    model, optimizer, loader = state.get("model"), state.get("optimizer"), _loader(state.get("loader"))
-    module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
-    if optimizers and module is None:
-        raise pp.CheckpointError("Strategy.load(optimizer=) needs model= too: the optimizer's state is keyed by parameter name.")
-    has_optim = _has_optim(model, optimizers)
-    meta = _checkpoints.read_marker(path)
-    _checkpoints.verify_files(path, meta)
-    index = read_dcp_metadata(path).state_dict_metadata
-    files = read_rank_files(path)
-    if loader is not None:
-        if meta.get("loader") is None:
-            raise pp.CheckpointError(f"Strategy.load: {path!r} was saved without loader=; there is no position to "
-                                     "resume. Load it without loader= (the loader starts at epoch 0).")
-        _checkpoints.check_loader_resume(path, meta["loader"], loader.state_dict())
-    tensors: dict[str, Any] = {}
-    model_state: dict[str, Any] = {}
-    optim_state: dict[str, Any] = {}
-    expected: dict[str, Any] = {}
-    if module is not None:
-        stored = {k[len("model."):]: (list(v.size) if isinstance(v, TensorStorageMetadata) else None)
-                  for k, v in index.items() if k.startswith("model.")}
-        stored.update(dict.fromkeys(_merged(files, "model")))
-        model_state, optim_state = ((model.model, model.optim or {}) if isinstance(model, StateDicts)
-                                    else _state_for_load(module, optimizers))
-        optim_tensors = {f"optim.{k}": v for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
-        entries = {f"model.{k}": (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
-        entries.update(dict.fromkeys(optim_tensors))
-        # A pipeline: the whole model's keys (one gather), so that every stage decides the
-        # refusals below alike and none enters the identity check while a peer raised.
-        entries = _all_stages(strategy, model, entries, "load_checkpoint")
-        expected = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
-        problem = _mismatch(expected, stored)
-        if problem is not None:
-            raise pp.CheckpointError(f"Strategy.load: {path!r} holds another model than {type(module).__name__}: "
-                                     f"{problem}. Load it into the model it was saved from (same architecture and "
-                                     "sizes; any topology).")
-        if has_optim and not (meta.get("contents") or {}).get("optimizer"):
-            raise pp.CheckpointError(f"Strategy.load: {path!r} holds no optimizer state (it was saved without "
-                                     "optimizer=); load the model only, or save with the optimizer.")
-        tensors.update({f"model.{k}": v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
-        if has_optim:
-            wanted = {k for k in entries if k.startswith("optim.")}
-            saved = {k for k, v in index.items() if k.startswith("optim.state.") and isinstance(v, TensorStorageMetadata)}
-            absent, left = sorted(wanted - set(index)), sorted(saved - wanted)
-            if absent or left:
-                what = (f"{absent[:4]} are missing from it" if absent else
-                        f"its {left[:4]} would not be loaded (this optimizer has no such state)")
-                raise pp.CheckpointError(f"Strategy.load: {path!r} holds another optimizer's state: {what}. Load it "
-                                         "into the optimizer type (and settings, e.g. momentum) it was saved with.")
-        tensors.update(optim_tensors)
-    extras = meta.get("extras") or {}
-    extra_tensors = {}
-    for key in _checkpoints.tensor_refs(extras):
-        entry = index.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise pp.CheckpointError(f"Strategy.load: {path!r} is incomplete: the extra tensor {key} is missing.")
-        extra_tensors[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    tensors.update(extra_tensors)
-    _check_identity(strategy, "load_checkpoint", path, [*sorted(expected), *sorted(extra_tensors),
-                                                        f"optim={has_optim}"])
+            os.makedirs(staging, exist_ok=True)
+            rank_record = write_rank_file(staging, session.rank, values, save_id)
+        except OSError as exc:
+            problem = exception_summary(exc)
+    # Rank-independent keys (a pipeline stage's own keys differ from its peers') and the save id.
+    keys = [*model_keys, *sorted(extra_tensors), f"optim={has_optim}", f"save {save_id}",
+            f"async={asynchronous}"]
+    failures = agree(strategy, "save_checkpoint", path, keys, problem)
+    if failures:
+        raise fail("save", path, staging, failures, session.rank)
+    assert rank_record is not None
     rt = get_runtime(session)
-    if tensors:
-        with rt.collective("load_checkpoint (DCP)", "world"), _single(session):
-            dcp.load(tensors, storage_reader=_safe_reader(path), no_dist=session.world_size == 1)  # in place: the dicts above see the values
-    if module is not None:
-        model_state.update(_merged(files, "model"))
-        optim_values = _merged(files, "optim")
-        optim_state.update({k: optim_values[k] for k in optim_state if k in optim_values})
-        if not isinstance(model, StateDicts):  # a StateDicts' dicts are filled in place: its caller applies them
-            set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=_options())
-    if loader is not None:
-        loader.load_state_dict(meta["loader"])
-    if session.rank in files:  # a rank the writing topology did not have keeps its own RNG
-        restore_rng(files[session.rank]["rng"])
-    progress = meta.get("progress") or {}
-    return {**{k: progress.get(k) for k in _checkpoints.PROGRESS}, **_checkpoints.join(extras, extra_tensors)}
+    writer = hashing_writer(staging, save_id)
+    if asynchronous:
+        with _single(session):
+            return checkpoint_async.start(strategy, rt, path, staging, tensors, writer, metadata, rank_record, _arrays)
+    try:
+        with rt.collective("save_checkpoint (DCP)", "world"), _single(session):
+            written = dcp.save(tensors, storage_writer=writer, no_dist=session.world_size == 1)
+    except (pp.CollectiveError, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise fail("save", path, staging, dcp_failures(exc, session.rank), session.rank) from None
+    records = writer.records.complete(staging)
+    rel, size, digest = rank_record
+    records[rel] = (size, digest)
+    return commit(Channel(session.world_size, runtime=rt), session.rank, staging, path, metadata, records,
+                  _arrays(written))
 
 
 # -- the functions of earlier releases ------------------------------------------------------------------------
@@ -415,3 +341,10 @@ def load_checkpoint(strategy: pp.Strategy, path: str | os.PathLike[str], *, mode
     """``strategy.load(path, model=model, optimizer=optimizer)``, at any topology (DCP reshards),
     or into a plain module with ``pp.Strategy(data=1)``."""
     return strategy.load(path, model=model, optimizer=optimizer)
+
+
+def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The torch runtime's ``polyparallel_load_checkpoint`` (:mod:`.checkpoint_load`)."""
+    from .checkpoint_load import load as load_
+
+    return load_(strategy, path, state, options)

@@ -25,9 +25,9 @@ class TopologySampler(Sampler[int]):
     - ``set_epoch(e)`` (what Lightning's and Ignite's loops call, as for ``DistributedSampler``)
       pins the epoch: every later pass uses ``e`` until the next ``set_epoch``. A rank may then
       iterate its loader more often than its peers (a logger peeking at one batch with
-      ``next(iter(loader))``) without changing what its replicas see; after a checkpoint's
-      ``load_state_dict`` the resumed position stays until a pass of that epoch has yielded its
-      last batch (a peek does not use it up).
+      ``next(iter(loader))``) without changing what its replicas see; once a restored loader is
+      pinned again (the framework's ``set_epoch`` of the resumed epoch), the resumed position
+      stays until a pass of that epoch has yielded its last batch (a peek does not use it up).
     - Until then each pass (each ``iter()``) uses the current epoch and moves to the next, so a
       plain ``for epoch in ...: for batch in loader`` loop reshuffles every epoch, also when it
       breaks off a pass after a number of steps. Because a rank that iterates once more than its
@@ -185,6 +185,10 @@ class ShardedLoader(DataLoader):
         epoch ``state["epoch"]`` and skips its first ``state["batches"]`` global batches, so the
         rest of the epoch is consumed exactly once, in the saved run's order.
 
+        The restored position is for the saved epoch only: the sampler is left unpinned (whatever
+        the saved run did), so a plain loop's later passes are the following epochs; a framework
+        that pins epochs (Lightning's and Ignite's ``set_epoch``) pins it again, as in the saved run.
+
         :raises polyparallel.CheckpointError: the global batch, data set length, seed, shuffling
             or remainder policy differ from the saved ones (the samples would differ).
         """
@@ -194,7 +198,9 @@ class ShardedLoader(DataLoader):
         sampler = self.sampler
         assert isinstance(sampler, TopologySampler)
         epoch, batches = int(state["epoch"]), int(state["batches"])
-        sampler.epoch, sampler.pinned = epoch, bool(state.get("pinned", False))
+        # Not state["pinned"]: restored pinned, a plain loop would repeat the saved epoch's order
+        # in every later pass.
+        sampler.epoch, sampler.pinned = epoch, False
         sampler.resume = (epoch, batches * self._per_rank()) if batches else None
         self._position, self._current, self._finished_epoch = None, None, None
         self.global_step = int(state.get("global_step", 0))

@@ -10,7 +10,7 @@ from typing import Any
 import polyparallel as pp
 from polyparallel.demo import PROBLEM, load_digits_split
 
-__all__ = ["run_demo", "run_demo_zero3", "train_digits"]
+__all__ = ["run_demo", "run_demo_zero3", "step_loss_metrics", "train_digits", "with_step_losses"]
 
 
 def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
@@ -36,6 +36,8 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
 
     opt = make_optimizer(strategy, model, torch.optim.SGD, lr=p.lr, momentum=p.momentum)
     step_times, last = [], pp.Mean(0.0, 0)
+    step_sums: list[float] = []  # this rank's loss x samples of every step, and the samples
+    step_counts: list[int] = []
     for _ in range(p.epochs):
         total, count = 0.0, 0
         for x, y in loader:
@@ -46,7 +48,9 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
             strategy.sync_grads(model)
             opt.step()
             step_times.append(time.perf_counter() - start)
-            total += loss.item() * len(y)
+            step_sums.append(loss.item() * len(y))
+            step_counts.append(len(y))
+            total += step_sums[-1]
             count += len(y)
         last = pp.Mean(total, count)
     eval_loader = strategy.shard_data(test, batch_size=p.global_batch, remainder="uneven", shuffle=False)
@@ -57,8 +61,25 @@ def train_digits(strategy: pp.Strategy) -> dict[str, Any]:
             correct += int((model(x).argmax(-1) == y).sum())
             seen += len(y)
     metrics = strategy.reduce_metrics({"final_loss": last, "accuracy": pp.Mean(correct, seen),
-                                       "step_time_ms": 1000 * statistics.median(step_times)})
-    return metrics
+                                       "step_time_ms": 1000 * statistics.median(step_times),
+                                       **step_loss_metrics(step_sums, step_counts)})
+    return with_step_losses(metrics, p.epochs)
+
+
+def step_loss_metrics(sums: list[float], counts: list[int]) -> dict[str, Any]:
+    """The per-step loss sums and sample counts as two metrics for ``reduce_metrics`` (averaged over
+    the data axis: their ratio is the global mean loss of each step, whatever the shards' sizes)."""
+    import torch
+
+    return {"step_loss_sums": torch.tensor(sums, dtype=torch.float64),
+            "step_loss_counts": torch.tensor(counts, dtype=torch.float64)}
+
+
+def with_step_losses(metrics: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """``metrics`` with the reduced sums and counts replaced by the demo row's ``losses`` (the global
+    loss of every step) and ``epochs`` (how many epochs they span)."""
+    sums, counts = metrics.pop("step_loss_sums"), metrics.pop("step_loss_counts")
+    return {**metrics, "losses": (sums / counts).tolist(), "epochs": epochs}
 
 
 def run_demo(strategy: pp.Strategy, nprocs: int) -> dict[str, Any]:

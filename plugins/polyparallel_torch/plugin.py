@@ -1,7 +1,9 @@
 """Hook implementations of the torch runtime plugin (entry point ``torch``).
 
-Every hook answers only for sessions whose runtime is ``"torch"`` (``session.runtime``; ``runtime=``
-for ``launch``), and returns ``None`` otherwise, so another runtime's strategy never reaches torch.
+The core calls these hooks only for sessions (and launches) whose runtime is ``"torch"``
+(``PluginManager.call_for_runtime``), so another runtime's strategy never reaches torch and no
+hook needs a ``session.runtime`` guard; within the runtime, a hook returns ``None`` for an object
+that is not torch's.
 Importing this module is cheap: torch is imported inside the hooks, and only once the object
 handed to an operation could be torch's (if ``torch`` was never imported, it cannot be).
 """
@@ -78,14 +80,14 @@ def polyparallel_capabilities() -> pp.Capabilities:
 
 @hookimpl
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
-    if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(data, (_lazy.Dataset, _lazy.DataLoader)):
+    if not _torch_loaded() or not isinstance(data, (_lazy.Dataset, _lazy.DataLoader)):
         return None
     return _lazy.data.shard_loader(data, session, policy, strategy)
 
 
 @hookimpl
 def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
-    if session.runtime != RUNTIME or not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
+    if not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
     # before any collective
     options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage)
@@ -94,7 +96,7 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 
 @hookimpl
 def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
-    if session.runtime != RUNTIME or not _torch_loaded():
+    if not _torch_loaded():
         return None
     if isinstance(target, _lazy.nn.Module) or (
         isinstance(target, (list, tuple)) and target
@@ -122,14 +124,14 @@ def _owns_metrics(metrics: Mapping[str, Any]) -> bool:
 @hookimpl(trylast=True)
 def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session,
                                 metrics: dict[str, Any]) -> dict[str, Any] | None:
-    if session.runtime != RUNTIME or not _owns_metrics(metrics):
+    if not _owns_metrics(metrics):
         return None
     return _lazy.metrics.reduce(metrics, _runtime(session), strategy.metric_policy)
 
 
 @hookimpl
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
-    if session.runtime != RUNTIME or not _torch_loaded():
+    if not _torch_loaded():
         return None
     if not (isinstance(states, _lazy.nn.Module) or (
             isinstance(states, Mapping) and states
@@ -139,29 +141,31 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 
 @hookimpl
-def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any]) -> Any:
-    if session.runtime != RUNTIME:
-        return None
+def polyparallel_save_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
     from .checkpoint import save
 
-    return save(strategy, path, state)
+    return save(strategy, path, state, options)
 
 
 @hookimpl
 def polyparallel_load_checkpoint(strategy: pp.Strategy, session: pp.Session, path: str,
-                                 state: dict[str, Any]) -> dict[str, Any] | None:
-    if session.runtime != RUNTIME:
-        return None
+                                 state: dict[str, Any], options: dict[str, Any]) -> dict[str, Any] | None:
     from .checkpoint import load
 
-    return load(strategy, path, state)
+    return load(strategy, path, state, options)
+
+
+@hookimpl
+def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str, output: str) -> str | None:
+    from .checkpoint_export import export
+
+    return export(path, metadata, to, output)
 
 
 @hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
                         timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
-    if runtime != RUNTIME:
-        return None
     from .launch import launch_function
 
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)

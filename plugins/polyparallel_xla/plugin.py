@@ -1,9 +1,9 @@
 """Hook implementations of the torch_xla runtime plugin (entry point ``xla``, extra ``xla``).
 
-Every hook answers only for sessions whose runtime is ``"xla"``; torch_xla is imported inside
-the hooks, never at import. The runtime runs the data axis only, and its priority is below
-torch's, so torch stays the automatic choice where both are installed: ask for XLA with
-``Strategy(runtime="xla")``.
+The core calls these hooks only for sessions (and launches) whose runtime is ``"xla"``, so they
+need no ``session.runtime`` guard; torch_xla is imported inside the hooks, never at import. The
+runtime runs the data axis only, and its priority is below torch's, so torch stays the automatic
+choice where both are installed: ask for XLA with ``Strategy(runtime="xla")``.
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ def polyparallel_capabilities() -> pp.Capabilities:
 @hookimpl
 def polyparallel_process_info(strategy: pp.Strategy, runtime: str | None) -> pp.ProcessInfo | None:
     """Rank = the replica's global ordinal, world size and local rank from ``torch_xla.runtime``."""
-    if runtime != RUNTIME:
-        return None
     import torch_xla.runtime as xr
 
     info = pp.ProcessInfo(xr.global_ordinal(), xr.world_size(), xr.local_ordinal())
@@ -61,7 +59,7 @@ def polyparallel_process_info(strategy: pp.Strategy, runtime: str | None) -> pp.
 
 @hookimpl
 def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: Any, policy: pp.DataPolicy) -> Any:
-    if session.runtime != RUNTIME or "torch" not in sys.modules:
+    if "torch" not in sys.modules:
         return None
     from torch.utils.data import DataLoader, Dataset
 
@@ -74,7 +72,7 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
 
 @hookimpl
 def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: Any, options: dict[str, Any]) -> Any:
-    if session.runtime != RUNTIME or "torch" not in sys.modules:
+    if "torch" not in sys.modules:
         return None
     from torch import nn
 
@@ -87,7 +85,7 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 
 @hookimpl
 def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
-    if session.runtime != RUNTIME or "torch" not in sys.modules:
+    if "torch" not in sys.modules:
         return None
     import torch
     from torch import nn
@@ -103,8 +101,6 @@ def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: 
 @hookimpl(trylast=True)
 def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session,
                                 metrics: dict[str, Any]) -> dict[str, Any] | None:
-    if session.runtime != RUNTIME:
-        return None
     values = [v.total if isinstance(v, pp.Mean) else v for v in metrics.values()]
     torch = sys.modules.get("torch")
     if not all(isinstance(v, numbers.Real) or (torch is not None and isinstance(v, torch.Tensor)) for v in values):
@@ -116,7 +112,7 @@ def polyparallel_reduce_metrics(strategy: pp.Strategy, session: pp.Session,
 
 @hookimpl
 def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states: Any) -> Any:
-    if session.runtime != RUNTIME or "torch" not in sys.modules:
+    if "torch" not in sys.modules:
         return None
     import torch
     from torch import nn
@@ -132,8 +128,6 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 @hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
                         timeout: float | None) -> list[Any] | None:
-    if runtime != RUNTIME:
-        return None
     from .launch import launch_function
 
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout)

@@ -26,10 +26,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import polyparallel as pp
-from polyparallel_fastai.testing import FastaiDriver
 from polyparallel_torch.testing import LR, TorchDriver, reference_dataset, reference_model
 
-__all__ = ["CPU_ENV", "FastaiXlaDriver", "XlaDriver", "cpu_env", "install_ordered_sync", "seeded_model"]
+__all__ = ["CPU_ENV", "XlaDriver", "cpu_env", "install_ordered_sync", "seeded_model"]
 
 #: Environment for N XLA CPU devices served by threads (besides ``CPU_NUM_DEVICES``).
 CPU_ENV = {"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "false", "XLA_THREAD_POOL_SIZE": "16",
@@ -166,20 +165,3 @@ class XlaDriver(TorchDriver):
         after = {n: t.detach().cpu().reshape(-1).double().tolist() for n, t in local_states(model)}
         policy = strategy.state_policy
         return {n: {"action": policy.action_for(n), "before": before[n], "after": after[n]} for n in before}
-
-
-
-class FastaiXlaDriver(FastaiDriver):
-    """The fastai adapter's conformance driver (:class:`polyparallel_fastai.testing.FastaiDriver`:
-    the same ``Learner``, callback and loops, unchanged) under a strategy with ``runtime="xla"``:
-    each rank is an XLA CPU device served by a thread, syncs ordered by
-    :func:`install_ordered_sync`, models seeded one thread at a time (:func:`seeded_model`)."""
-
-    startup_seconds = 90.0
-
-    def bind(self, strategy: pp.Strategy) -> pp.Strategy:
-        install_ordered_sync()
-        return super().bind(strategy)
-
-    def model(self, seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-        return seeded_model(seed, dtype)

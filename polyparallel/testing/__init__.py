@@ -2,7 +2,7 @@
 
 - :class:`ConformanceDriver`: the framework-specific half a plugin author writes.
 - :class:`ConformanceSuite`: the contract as pytest tests (imports pytest on first use).
-- The clauses as plain functions (``check_shards`` ... ``check_unsupported``), raising
+- The clauses as plain functions (``check_shards`` ... ``check_routing``), raising
   ``AssertionError`` when a plugin breaks them and :class:`NotApplicable` when the topology
   gives them nothing to check.
 - :func:`reference_data`: the deterministic reference data set, as plain lists.
@@ -21,6 +21,7 @@ from ._checks import (
     check_fails_fast,
     check_metrics,
     check_replicas,
+    check_routing,
     check_shards,
     check_shuffling,
     check_states,
@@ -31,7 +32,7 @@ from ._checks import (
 from ._kit import ConformanceDriver, PerRank, bind_plugin_manager, reference_data, run_contract, run_skipped_collective
 
 __all__ = ["ConformanceDriver", "ConformanceSuite", "NotApplicable", "PerRank", "bind_plugin_manager",
-           "check_fails_fast", "check_metrics", "check_replicas", "check_shards", "check_shuffling", "check_states",
+           "check_fails_fast", "check_metrics", "check_replicas", "check_routing", "check_shards", "check_shuffling", "check_states",
            "check_training", "check_unsupported", "reference_data", "run_contract", "run_skipped_collective",
            "waiting_ranks"]
 

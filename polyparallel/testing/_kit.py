@@ -10,20 +10,25 @@ reference (:mod:`polyparallel.testing._checks`). Everything here is framework-fr
 
 from __future__ import annotations
 
+import _thread
 import abc
+import contextlib
+import os
 import random
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._capabilities import Capabilities
 from .._errors import CollectiveError, LaunchError
 from .._launch import launch
 from .._manager import hookimpl
 from .._strategy import Strategy
 from .._topology import Topology
 
-__all__ = ["ConformanceDriver", "PerRank", "bind_plugin_manager", "reference_data", "run_contract",
+__all__ = ["ConformanceDriver", "PerRank", "bind_plugin_manager", "fail_fast_bound", "reference_data", "run_contract",
            "run_skipped_collective"]
 
 #: What :meth:`ConformanceDriver.contract` reports for each rank.
@@ -79,9 +84,11 @@ class ConformanceDriver(abc.ABC):
     steps: int = 4
     #: Topologies the plugin declared it cannot run (checked: refused before launch).
     unsupported: tuple[Topology, ...] = ()
-    #: Seconds a launch may take besides the collectives themselves (starting the processes,
-    #: importing the framework, compiling): the skipped-collective launch is bounded by
-    #: ``3 * strategy.timeout + startup_seconds``.
+    #: Seconds a launch may take on a quiet machine besides the collectives themselves (starting
+    #: the processes, importing the framework, compiling). Only the skipped-collective launch's
+    #: safety net uses it (``3 * strategy.timeout + 4 * startup_seconds``): how fast the peers
+    #: fail is measured inside the processes, against the time the same work takes there
+    #: (:func:`fail_fast_bound`), so a loaded machine does not fail the clause.
     startup_seconds: float = 60.0
 
     @abc.abstractmethod
@@ -201,6 +208,66 @@ _counter = _ShardDataCounter()  # per process; registered on the bound strategy'
 _COUNTER = "polyparallel.testing.shard_data_counter"
 
 
+class _DecoyRuntime:
+    """A second runtime in every launched process: declared (never installed, so never chosen),
+    with operation hooks that omit the ``session.runtime`` guard and are asked first
+    (``tryfirst``). The core routes a session's operations to its own runtime's plugin only, so
+    none of them may ever be called; each call is counted (per thread, as ``_ShardDataCounter``)
+    and :func:`polyparallel.testing._checks.check_routing` fails on any. They answer ``None``,
+    so a routing fault shows as a count, not as a crash inside the driver."""
+
+    NAME = "polyparallel-conformance-decoy"
+    HOOKS = ("shard_data", "wrap_model", "sync_grads", "reduce_metrics", "sync_states", "save_checkpoint",
+             "load_checkpoint")
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return dict(getattr(self._local, "calls", {}))
+
+    def _called(self, hook: str) -> None:
+        calls = self._local.__dict__.setdefault("calls", {})
+        calls[hook] = calls.get(hook, 0) + 1
+
+    @hookimpl
+    def polyparallel_capabilities(self) -> Capabilities:
+        return Capabilities(self.NAME, axes={"data", "tensor", "pipeline"}, imports={"polyparallel_conformance_decoy_absent"})
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_shard_data(self) -> None:
+        self._called("shard_data")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_wrap_model(self) -> None:
+        self._called("wrap_model")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_sync_grads(self) -> None:
+        self._called("sync_grads")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_reduce_metrics(self) -> None:
+        self._called("reduce_metrics")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_sync_states(self) -> None:
+        self._called("sync_states")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_save_checkpoint(self) -> None:
+        self._called("save_checkpoint")
+
+    @hookimpl(tryfirst=True)
+    def polyparallel_load_checkpoint(self) -> None:
+        self._called("load_checkpoint")
+
+
+_decoy = _DecoyRuntime()
+_DECOY = "polyparallel.testing.decoy_runtime"
+
+
 _register_lock = threading.Lock()  # replica threads of one process register the counter once
 
 
@@ -208,26 +275,77 @@ def _contract_worker(driver: ConformanceDriver, strategy: Strategy) -> list[dict
     strategy = driver.bind(strategy)
     manager = strategy.plugin_manager
     with _register_lock:
-        if all(p.name != _COUNTER for p in manager.plugins()):
+        names = {p.name for p in manager.plugins()}
+        if _COUNTER not in names:
             manager.register(_counter, name=_COUNTER)
-    return driver.contract(strategy)
+        if _DECOY not in names:
+            manager.register(_decoy, name=_DECOY)
+    records = driver.contract(strategy)
+    for record in records:
+        record["decoy_calls"] = _decoy.calls
+    return records
+
+
+def fail_fast_bound(timeout: float, work: float) -> float:
+    """Seconds within which a process waiting on a skipped collective must have failed: the
+    strategy's ``timeout``, plus twice ``work`` (what the same call took in this process when
+    nobody skipped: setting up, then the collectives), plus 10 s. Measured where it runs, so it
+    holds on a loaded machine, and still fails a collective that is not bounded."""
+    return timeout + 2 * work + 10.0
+
+
+@contextlib.contextmanager
+def _watchdog(bound: float, what: str) -> Iterator[threading.Event]:
+    """Interrupt the main thread (``KeyboardInterrupt``) if the block runs longer than
+    ``bound`` seconds; a main thread blocked outside Python past 10 s more ends the process
+    (exit status 70), with ``what`` on stderr."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(bound):
+            return
+        _thread.interrupt_main()
+        if not done.wait(10.0):
+            sys.stderr.write(f"polyparallel.testing: {what} still waiting {bound + 10:.0f} s after the skipped "
+                             "collective started: the collective is not bounded by the strategy's timeout\n")
+            sys.stderr.flush()
+            os._exit(70)
+
+    thread = threading.Thread(target=watch, name="polyparallel-fail-fast-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield done
+    finally:
+        done.set()
 
 
 def _skip_worker(driver: ConformanceDriver, strategy: Strategy, skipper: int) -> dict[str, Any]:
     strategy = driver.bind(strategy)
     ranks = driver.local_ranks(strategy)
     skip = skipper in ranks
+    # First the same call with nobody skipping: how long the work takes here, now.
+    start = time.monotonic()
+    driver.skip_collective(strategy, skip=False)
+    work = time.monotonic() - start
+    bound = fail_fast_bound(strategy.timeout, work)
+    facts = {"ranks": ranks, "skipped": skip, "work": work, "bound": bound}
     start = time.monotonic()
     try:
-        driver.skip_collective(strategy, skip=skip)
+        with _watchdog(bound, f"the process of ranks {ranks}") as done:
+            try:
+                driver.skip_collective(strategy, skip=skip)
+                if skip:
+                    # Stay alive for a while, as a rank busy elsewhere would, so peers hit the timeout.
+                    time.sleep(strategy.timeout + 2)
+            finally:
+                done.set()
     except CollectiveError as exc:
-        return {"ranks": ranks, "skipped": skip, "outcome": "raised", "type": type(exc).__name__,
-                "message": str(exc), "operation": exc.operation, "axis": exc.axis, "error_rank": exc.rank,
+        return {**facts, "outcome": "raised", "type": type(exc).__name__, "message": str(exc),
+                "operation": exc.operation, "axis": exc.axis, "error_rank": exc.rank,
                 "elapsed": time.monotonic() - start}
-    if skip:
-        # Stay alive for a while, as a rank busy elsewhere would, so peers hit the timeout.
-        time.sleep(strategy.timeout + 2)
-    return {"ranks": ranks, "skipped": skip, "outcome": "completed", "elapsed": time.monotonic() - start}
+    except KeyboardInterrupt:
+        return {**facts, "outcome": "hung", "elapsed": time.monotonic() - start}
+    return {**facts, "outcome": "completed", "elapsed": time.monotonic() - start}
 
 
 def run_contract(driver: ConformanceDriver, strategy: Strategy, nprocs: int, timeout: float = 240,
@@ -256,12 +374,13 @@ def run_skipped_collective(driver: ConformanceDriver, strategy: Strategy, nprocs
     process saw. A launch that does not finish in time (a peer waited past the strategy's
     timeout) is an ``AssertionError``: the collective was not bounded."""
     world = nprocs if world_size is None else world_size
-    limit = 3 * strategy.timeout + driver.startup_seconds
+    # A safety net only: each process bounds its own wait (fail_fast_bound, measured there).
+    limit = 3 * strategy.timeout + 4 * driver.startup_seconds
     try:
         return driver.launch(_skip_worker, strategy, nprocs, args=(driver, strategy, skipping_rank(world)),
                              timeout=limit, world_size=world)
     except LaunchError as exc:
         raise AssertionError(
             f"with rank {skipping_rank(world)} skipping a collective, the launch did not complete within "
-            f"{limit:g} s ({3 * strategy.timeout:g} s of collectives + {driver.startup_seconds:g} s to start): the "
-            f"peers did not fail within the strategy's timeout of {strategy.timeout:g} s. {exc}") from exc
+            f"{limit:g} s (3 x the strategy's timeout of {strategy.timeout:g} s + 4 x {driver.startup_seconds:g} s "
+            f"to start): a peer did not fail within the strategy's timeout, or a process did not start. {exc}") from exc

@@ -96,3 +96,7 @@ class ConformanceSuite:
     # -- (g) refusal before launch ----------------------------------------------------------------------------
     def test_unsupported_topology_refused_before_launch(self) -> None:
         _clause(_checks.check_unsupported, self.driver, self.strategy)
+
+    # -- (h) routing ------------------------------------------------------------------------------------------
+    def test_operations_reach_only_the_sessions_runtime(self, contract: list[dict[str, Any]]) -> None:
+        _clause(_checks.check_routing, contract)

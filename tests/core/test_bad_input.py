@@ -272,7 +272,7 @@ PROBES: list[Probe] = [
     ("plan-runtime", lambda pm: command("plan", "--world", "4", "--runtime", "no_such_runtime"), CommandFailed,
      r"Error: No installed plugin provides the target 'no_such_runtime'"),
     ("plugins-hook", lambda pm: command("plugins", "--hook", "shard_dat"), CommandFailed,
-     r"Error: --hook 'shard_dat' is not a polyparallel hook\. Hooks: capabilities,"),
+     r"Error: --hook 'shard_dat' is not a polyparallel hook\. Hooks: adapter_bridge, capabilities,"),
 ]
 
 

@@ -57,7 +57,8 @@ def test_to_dict_is_json_ready():
     caps = Capabilities("torch", axes={"tensor", "data"}, features={"no_sync", "bucketing"}, plugin="torch")
     d = caps.to_dict()
     assert d == {"target": "torch", "axes": ["data", "tensor"], "features": ["bucketing", "no_sync"], "plugin": "torch",
-                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": [], "stages": [0], "stages_with": {}}
+                 "excludes": [], "imports": [], "backends": [], "priority": 0, "runtimes": [], "stages": [0], "stages_with": {},
+                 "precisions": ["32"], "accumulation": False}
     runtime = Capabilities("rt", imports={"torch"}, backends={"nccl", "gloo"}, priority=3).to_dict()
     assert (runtime["imports"], runtime["backends"], runtime["priority"]) == (["torch"], ["gloo", "nccl"], 3)
     assert Capabilities("adapter", runtimes={"torch"}).to_dict()["runtimes"] == ["torch"]
@@ -163,3 +164,32 @@ def test_stages_with_an_axis_are_refused_with_the_reason():
         pp.Capabilities("y", stages_with={"pipeline": ({0, 1}, "why")})
     with pytest.raises(ValueError, match=r"maps an axis of .* to \(stages, reason\)"):
         pp.Capabilities("y", stages_with={"expert": ({0}, "why")})
+
+
+def test_precisions_are_declared_and_checked_with_the_reason():
+    from polyparallel import PrecisionPolicy
+
+    caps = Capabilities("rt", precisions={"32", "bf16-mixed"}, precision_reasons={"fp16-mixed": "no float16 kernels here"})
+    caps.check(Topology(data=2), precision=PrecisionPolicy("bf16-mixed"))
+    caps.check(Topology(data=2), precision=None)  # no precision asked: the model's own dtypes
+    with pytest.raises(UnsupportedTopologyError, match=r"'rt' cannot run precision PrecisionPolicy\('fp16-mixed'\): "
+                                                        r"no float16 kernels here\. It runs '32', 'bf16-mixed'"):
+        caps.check(Topology(data=2), precision=PrecisionPolicy("fp16-mixed"))
+    with pytest.raises(UnsupportedTopologyError, match=r"cannot run precision PrecisionPolicy\(param_dtype="):
+        caps.check(Topology(data=2), precision=PrecisionPolicy(reduce_dtype="bfloat16"))  # custom: not declared
+    Capabilities("any", precisions={"32", "custom"}).check(Topology(), precision=PrecisionPolicy(reduce_dtype="bfloat16"))
+    assert Capabilities("plain").precisions == {"32"} and caps.to_dict()["precisions"] == ["32", "bf16-mixed"]
+    with pytest.raises(ValueError, match=r"precisions=\) names \['bf8'\]"):
+        Capabilities("bad", precisions={"bf8"})
+    with pytest.raises(ValueError, match=r"precision_reasons=\) names \['fp8'\]"):
+        Capabilities("bad", precision_reasons={"fp8": "no"})
+
+
+def test_accumulation_is_declared_and_refused_where_missing():
+    Capabilities("acc", accumulation=True).check(Topology(data=2), accumulate=4)
+    Capabilities("plain").check(Topology(data=2), accumulate=1)
+    with pytest.raises(UnsupportedTopologyError, match=r"'plain' does not implement gradient accumulation, so it cannot "
+                                                        r"run Strategy\(accumulate=4\)"):
+        Capabilities("plain").check(Topology(data=2), accumulate=4)
+    with pytest.raises(ValueError, match=r"accumulation=\) must be True or False"):
+        Capabilities("bad", accumulation="yes")

@@ -75,3 +75,30 @@ def test_inspect_lists_the_arrays_a_runtime_recorded_in_its_marker(tmp_path):
     as_json = json.loads(_inspect(path, "--json").output)
     assert as_json["tensors"] == [{"name": "params.dense.kernel", "shape": [4, 8], "dtype": "float32"}]
     assert "params.dense.kernel" in _inspect(path).output
+
+
+def test_a_staging_directory_is_never_called_committed_even_with_a_marker(tmp_path):
+    # A save that died after its marker was written but before the rename leaves a staging
+    # directory holding the marker: it was never published, so it is not a checkpoint.
+    path = str(tmp_path / "step-8.partial-1f")
+    _write(path)
+    result = _inspect(path)
+    assert result.exit_code == 1, result.output
+    assert "NOT COMMITTED" in result.output and "committed 20" not in result.output
+    assert "never published" in result.output
+
+
+def test_inspect_refuses_flipped_bytes_and_a_file_of_another_checkpoint(tmp_path):
+    first, second = str(tmp_path / "a"), str(tmp_path / "b")
+    _write(first)
+    _write(second)
+    with open(os.path.join(second, "weights.bin"), "r+b") as f:  # same size, other content
+        f.write(b"y")
+    with open(os.path.join(second, "weights.bin"), "rb") as f:
+        other = f.read()
+    with open(os.path.join(first, "weights.bin"), "wb") as f:  # a shard of another checkpoint copied over
+        f.write(other)
+    result = _inspect(first)
+    assert result.exit_code == 1, result.output
+    assert "PROBLEM" in result.output and "weights.bin" in result.output and "SHA-256" in result.output
+    assert _inspect(first, "--no-verify").exit_code == 0  # sizes only, as asked

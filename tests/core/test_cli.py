@@ -18,6 +18,9 @@ import polyparallel as pp
 from polyparallel import AXES, Topology
 from polyparallel import cli as cli_module
 
+#: What `plan --json` adds to the topology when no precision, accumulation or batch is asked for.
+NO_PRECISION = {"precision": None, "accumulate": 1, "batch_size": None, "micro_batch_per_rank": None}
+
 
 def run_cli(python, *args, **env):
     return python("-m", "polyparallel.cli", *args, **env)
@@ -46,7 +49,7 @@ def test_plan_prints_the_rank_grid_groups_and_roles(python):
 def test_plan_json_is_the_topology_description(python):
     result = run_cli(python, "plan", "--world", "8", "--tensor", "2", "--pipeline", "2", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == {**Topology(data=2, tensor=2, pipeline=2).to_dict(), "zero": 0}
+    assert json.loads(result.stdout) == {**Topology(data=2, tensor=2, pipeline=2).to_dict(), "zero": 0, **NO_PRECISION}
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -82,7 +85,7 @@ def test_plan_for_a_runtime_that_runs_it(python):
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0] == "Topology(pipeline=1, data=2, tensor=2)  world size 4  (runs on 'torch')"
     as_json = json.loads(run_cli(python, "plan", "--world", "4", "--runtime", "torch", "--json").stdout)
-    assert as_json == {**Topology(data=4).to_dict(), "zero": 0, "runtime": "torch"}
+    assert as_json == {**Topology(data=4).to_dict(), "zero": 0, **NO_PRECISION, "runtime": "torch"}
 
 
 def test_plan_requires_the_world_size(python):
@@ -105,7 +108,8 @@ def test_plugins_json_lists_the_installed_records_plugin(python):
     assert records["adapters"] == ["records"]
     assert records["capabilities"] == [{"target": "records", "axes": ["data"], "features": [], "plugin": "records",
                                         "excludes": [], "imports": [], "backends": [], "priority": 0,
-                                        "runtimes": [], "stages": [0], "stages_with": {}}]
+                                        "runtimes": [], "stages": [0], "stages_with": {},
+                                        "precisions": ["32"], "accumulation": False}]
 
 
 def test_plugins_table(python):
@@ -168,7 +172,8 @@ def test_plugins_shows_a_plugin_that_failed_to_load(python, tmp_path):
 def test_plugins_refuses_an_unknown_hook(python):
     result = run_cli(python, "plugins", "--hook", "shard_dat")
     assert result.returncode == 1
-    assert "Error: --hook 'shard_dat' is not a polyparallel hook. Hooks: capabilities, launch" in result.stderr
+    assert ("Error: --hook 'shard_dat' is not a polyparallel hook. Hooks: adapter_bridge, capabilities, export_checkpoint, "
+            "launch") in result.stderr
 
 
 def test_plugins_with_autoload_disabled(python):
@@ -206,16 +211,18 @@ def test_the_console_script(python):
     version = python.command(str(script), "--version")
     assert version.stdout.strip() == f"polyparallel, version {pp.__version__}"
     plan = python.command(str(script), "plan", "--world", "4", "--json")
-    assert json.loads(plan.stdout) == {**Topology(data=4).to_dict(), "zero": 0}
+    assert json.loads(plan.stdout) == {**Topology(data=4).to_dict(), "zero": 0, **NO_PRECISION}
 
 
 # -- launch and demo around their hooks (in-process) ------------------------------------------------------------
 
 
 @pytest.fixture
-def invoke(manager, monkeypatch):
-    """Run the CLI in this process against ``manager`` (fake plugins only)."""
+def invoke(manager, monkeypatch, tmp_path):
+    """Run the CLI in this process against ``manager`` (fake plugins only), in a temporary folder
+    (the demo writes its outputs into ./demo-output)."""
     monkeypatch.setattr(cli_module, "get_plugin_manager", lambda: manager)
+    monkeypatch.chdir(tmp_path)
     runner = CliRunner()
     return lambda *args: runner.invoke(cli_module.cli, list(args), prog_name="polyparallel")
 
@@ -321,7 +328,8 @@ def test_demo_runs_every_entry_with_one_strategy(manager, invoke):
     manager.register(demos, name="demos")
     result = invoke("demo", "--nprocs", "4", "--tensor", "2", "--only", "alpha", "--only", "beta", "--json")
     assert result.exit_code == 0, result.output
-    assert "running alpha on 4 processes" in result.stderr  # progress goes to stderr, data to stdout
+    assert "[1/2] alpha: training on 4 processes ..." in result.stderr  # progress goes to stderr, data to stdout
+    assert "[2/2] beta: training on 4 processes: done in " in result.stderr
     rows = json.loads(result.stdout)
     assert [r["framework"] for r in rows] == ["alpha", "beta"]
     assert rows[0]["topology"] == "Topology(pipeline=1, data=2, tensor=2)"

@@ -105,6 +105,13 @@ class Recorder:
                 return ModelProfile(model, "recorded-runtime", [LayerProfile("only", ((400, False),), flops=1e6)])
         register("recorded-runtime", Advisor())
 
+    @pp.hookimpl
+    def polyparallel_adapter_bridge(self, adapter, obj):
+        if not isinstance(obj, Subject):
+            return None
+        self.calls.append(("polyparallel_adapter_bridge", {"adapter": adapter, "obj": obj}))
+        return ("bridge", adapter, obj)
+
     @pp.hookimpl(tryfirst=True)
     def polyparallel_process_info(self, strategy):
         self.calls.append(("polyparallel_process_info", {"strategy": strategy}))
@@ -169,6 +176,14 @@ class Recorder:
         self.calls.append(("polyparallel_load_checkpoint", {"subject": state["model"], "path": path, "state": state}))
         return {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
 
+    @pp.hookimpl
+    def polyparallel_export_checkpoint(self, path, metadata, to, output):
+        if metadata.get("runtime") != "recorded-runtime":
+            return None
+        self.calls.append(("polyparallel_export_checkpoint", {"path": path, "to": to, "output": output}))
+        Path(output).write_bytes(b"exported")
+        return output
+
 
 #: (strategy on a manager holding the recorder, the recorder, run the CLI on that manager, a temporary folder)
 Case = Callable[[pp.Strategy, Recorder, Callable[..., Any], Path], None]
@@ -189,9 +204,9 @@ def _capabilities(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., An
 
 
 def _demos(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
-    result = invoke("demo", "--only", "recorded", "--nprocs", "1", "--json")
+    result = invoke("demo", "--only", "recorded", "--nprocs", "1", "--json", "--out", str(tmp / "demo"))
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output[result.output.index("["):])[0]["final_loss"] == 0.5
+    assert json.loads(result.stdout)[0]["final_loss"] == 0.5  # progress and the summary go to stderr
     assert rec.seen("polyparallel_register_demos")
 
 
@@ -202,6 +217,13 @@ def _advisors(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], 
     assert out["model"][0]["model"] == "recorded:model" and out["model"][0]["runtime"] == "recorded-runtime"
     assert [(c["data"], c["refused"]) for c in out["candidates"] if c["zero"] == 0][0] == (2, None)
     assert rec.seen("polyparallel_register_advisors")
+
+
+def _adapter_bridge(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    subject = Subject()
+    assert strategy.plugin_manager.bridge("ignite", subject) == ("bridge", "ignite", subject)
+    assert strategy.plugin_manager.bridge("ignite", object()) is None  # not the recorder's: no bridge
+    assert rec.seen("polyparallel_adapter_bridge") == [{"adapter": "ignite", "obj": subject}]
 
 
 def _process_info(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
@@ -242,6 +264,9 @@ def _save_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[...,
     (seen,) = rec.seen("polyparallel_save_checkpoint")
     assert seen["path"] == str(tmp / "ckpt") and seen["state"] == {"model": subject, "lr": 0.1}  # None dropped
     assert seen["session"] is strategy.session()
+    # An implementation without options= saves synchronously: async_save returns a finished future.
+    future = strategy.async_save(tmp / "ckpt", model=subject)
+    assert future.done() and future.result() == str(tmp / "ckpt") + "!"
 
 
 def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
@@ -254,6 +279,17 @@ def _load_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[...,
     assert strategy.load(path, model=subject) == {"epoch": 1, "step": 2, "global_step": 9, "note": "restored"}
     (seen,) = rec.seen("polyparallel_load_checkpoint")
     assert seen["path"] == str(path) and seen["state"] == {"model": subject}
+
+
+def _export_checkpoint(strategy: pp.Strategy, rec: Recorder, invoke: Callable[..., Any], tmp: Path) -> None:
+    path = tmp / "ckpt"
+    path.mkdir()
+    _checkpoints.write_marker(str(path), _checkpoints.base_metadata(strategy, strategy.session(), None))
+    result = invoke("checkpoint", "export", str(path), "--to", "safetensors", "-o", str(tmp / "out.st"))
+    assert result.exit_code == 0, result.output
+    assert rec.seen("polyparallel_export_checkpoint") == [{"path": str(path), "to": "safetensors",
+                                                            "output": str(tmp / "out.st")}]
+    assert (tmp / "out.st").read_bytes() == b"exported" and "wrote" in result.output
 
 
 def _operation(name: str, call: Callable[[pp.Strategy, Subject], Any], **expected: Any) -> Case:
@@ -273,6 +309,7 @@ CASES: dict[str, Case] = {
     "polyparallel_capabilities": _capabilities,
     "polyparallel_register_demos": _demos,
     "polyparallel_register_advisors": _advisors,
+    "polyparallel_adapter_bridge": _adapter_bridge,
     "polyparallel_process_info": _process_info,
     "polyparallel_session_start": _session_start,
     "polyparallel_session_finish": _session_finish,
@@ -288,6 +325,7 @@ CASES: dict[str, Case] = {
     "polyparallel_sync_states": _operation("sync_states", lambda s, x: s.sync_states(x)),
     "polyparallel_save_checkpoint": _save_checkpoint,
     "polyparallel_load_checkpoint": _load_checkpoint,
+    "polyparallel_export_checkpoint": _export_checkpoint,
 }
 
 

@@ -4,7 +4,8 @@ The subject is a framework-free "records" runtime written here (samples in plain
 linear model in plain Python, collectives through files in a shared directory, bounded by the
 strategy's timeout, processes forked by its own ``polyparallel_launch``). Its correct version
 passes the whole ``ConformanceSuite`` under pipeline=2 x data=2, where every clause applies; each
-deliberately broken version (``FLAWS``) makes exactly its own clause (a)-(g) fail.
+deliberately broken version (``FLAWS``) makes exactly its own clause (a)-(h) fail (for (h), routing,
+the broken part is the plugin manager: it calls every runtime's hooks).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FLAWS = {
     "states": "e",       # sync_states averages every state, whatever the policy says
     "unbounded": "f",    # a collective waits forever for a peer that skipped it
     "accepts": "g",      # the capabilities accept tensor=2, which the driver declares unsupported
+    "unrouted": "h",     # the plugin manager calls every runtime's hooks, not the session's runtime's only
 }
 DIR_ENV = "RECORDS_COLLECTIVE_DIR"
 LR = 0.05
@@ -221,9 +223,16 @@ class RecordsRuntime:
         return out
 
 
+class _UnroutedManager(pp.PluginManager):
+    """A plugin manager with the routing flaw: every plugin's hooks see every session."""
+
+    def call_for_runtime(self, hook_name: str, runtime: str | None, /, **kwargs: Any) -> Any:
+        return self.call(hook_name, **kwargs)
+
+
 def records_manager(flaw: str | None) -> pp.PluginManager:
     """A plugin manager with only the records runtime (broken as ``flaw`` says)."""
-    pm = pp.PluginManager(autoload=False)
+    pm = _UnroutedManager(autoload=False) if flaw == "unrouted" else pp.PluginManager(autoload=False)
     pm.register(RecordsRuntime(flaw), name="records")
     return pm
 
@@ -366,7 +375,7 @@ class TestRecordsPipeline2Data2(kit.ConformanceSuite):  # type: ignore[name-defi
 
 # -- each flaw fails exactly its clause ---------------------------------------------------------------
 def failing_clauses(flaw: str | None) -> set[str]:
-    """Run every clause (a)-(g) on the records runtime broken by ``flaw``; the clauses that fail."""
+    """Run every clause (a)-(h) on the records runtime broken by ``flaw``; the clauses that fail."""
     driver = RecordsDriver(flaw)
     strategy = pp.Strategy(pipeline=2, data=2, timeout=2.0, plugin_manager=records_manager(flaw))
     topology = strategy.topology.resolve(4)
@@ -384,6 +393,7 @@ def failing_clauses(flaw: str | None) -> set[str]:
         "e": lambda: kit.check_states(contract, topology),
         "f": lambda: kit.check_fails_fast(driver, strategy, 4),
         "g": lambda: kit.check_unsupported(driver, strategy),
+        "h": lambda: kit.check_routing(contract),
     }
     failed = set()
     for letter, clause in clauses.items():
@@ -402,7 +412,25 @@ def test_a_broken_runtime_fails_exactly_its_clause(flaw):
 
 
 def test_every_clause_has_a_flaw_that_fails_it():
-    assert set(FLAWS.values()) == set("abcdefg")
+    assert set(FLAWS.values()) == set("abcdefgh")
+
+
+# -- the fail-fast bound follows the machine it runs on ------------------------------------------------
+class _SlowToSetUp(RecordsDriver):
+    """A loaded machine: slow to set up before the collective."""
+
+    def skip_collective(self, strategy: pp.Strategy, skip: bool) -> None:
+        time.sleep(11.0)  # building the model and the loaders, before the collective
+        super().skip_collective(strategy, skip)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_the_fail_fast_bound_is_measured_where_it_runs_not_a_constant():
+    """A bounded collective behind 11 s of set-up passes clause (f): the old kit's fixed bound
+    (timeout + 10 s from the start of the call) failed it. An unbounded one still fails, within
+    the bound measured in the process (``test_a_broken_runtime_fails_exactly_its_clause[unbounded]``)."""
+    kit.check_fails_fast(_SlowToSetUp(), pp.Strategy(data=2, timeout=2.0, plugin_manager=records_manager(None)), 2)
 
 
 # -- clauses with nothing to check are reported, never passed ------------------------------------------
@@ -504,3 +532,81 @@ def test_a_process_reports_each_of_its_ranks(monkeypatch):
         (0, 0, [1, 0], {"s": 0}), (1, 1, [1, 1], {"s": 1})]
     assert all(r["params"] == {"w": [0.5]} and r["metrics"] == {"loss": 1.0} for r in results)
     strategy.session().close()
+
+
+# -- the declared surface (polyparallel.testing.surface) -------------------------------------------------
+def _package(tmp_path, monkeypatch):
+    """A framework of three modules: one imports a package that is not installed."""
+    root = tmp_path / "toyframework"
+    (root / "callbacks").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "core.py").write_text("class Callback:\n    pass\n\nclass _Private(Callback):\n    pass\n\n"
+                                  "class Learner:\n    def fit(self): pass\n    def _hidden(self): pass\n")
+    (root / "callbacks" / "__init__.py").write_text("")
+    (root / "callbacks" / "logging.py").write_text(
+        "import not_installed_anywhere\nfrom ..core import Callback, _Private, Learner\n\n"
+        "class Logger(_Private):\n    pass\n\nclass Unrelated:\n    pass\n\n"
+        "def lr_find(self: Learner, start=1e-7): pass\n\ndef helper(x): pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "toyframework"
+
+
+def test_discovery_reads_the_source_so_modules_that_cannot_import_are_listed(tmp_path, monkeypatch):
+    from polyparallel.testing.surface import discover_classes, discover_methods
+
+    package = _package(tmp_path, monkeypatch)
+    assert discover_classes(package, ["Callback"]) == ["toyframework.callbacks.logging.Logger",
+                                                       "toyframework.core.Callback"]
+    assert "toyframework.core._Private" in discover_classes(package, ["Callback"], include_private=True)
+    assert discover_methods(package, "Learner") == ["fit", "lr_find"]
+
+
+def _toy_surface():
+    from polyparallel.testing.surface import Surface, refused, works
+
+    return Surface("toy", "1.0", [
+        works("toy.Callback", "callback", "tests/core/test_kit.py::test_the_surface_table_counts_and_checks"),
+        works("toy.Metric", "metric", "tests/core/test_kit.py::test_the_surface_table_counts_and_checks", "differs a bit"),
+        refused("toy.Logger", "callback", "it logs from every rank", "log from the logger rank"),
+    ], adapter="the toy adapter")
+
+
+def test_coverage_names_what_is_missing_and_what_has_gone():
+    surface = _toy_surface()
+    surface.check_covers({"callback": ["toy.Callback", "toy.Logger"], "metric": ["toy.Metric"]})
+    with pytest.raises(AssertionError, match=r"1 callback\(s\) of the installed toy are not classified: \['toy.New'\]"):
+        surface.check_covers({"callback": ["toy.Callback", "toy.Logger", "toy.New"]})
+    with pytest.raises(AssertionError, match=r"classified metric\(s\) are not in the installed toy: \['toy.Metric'\]"):
+        surface.check_covers({"metric": []})
+
+
+def test_the_surface_table_counts_and_checks(tmp_path):
+    from polyparallel.testing.surface import Entry, SurfaceError, check_exercised, check_table
+
+    surface = _toy_surface()
+    assert surface.counts() == (2, 1, 3) and surface.counts("callback") == (1, 1, 2)
+    text = surface.markdown()
+    assert "**2 work, 1 are refused, 3 in all.**" in text and "| callback | 1 | 1 | 2 |" in text
+    assert "| `toy.Logger` | refused | it logs from every rank | log from the logger rank |  |" in text
+    with pytest.raises(SurfaceError, match=r"the toy adapter refuses toy.Logger \(callback\): it logs from every "
+                                           r"rank. Instead: log from the logger rank."):
+        surface.refuse("toy.Logger")
+    surface.refuse("toy.Callback")
+    path = tmp_path / "toy.md"
+    with pytest.raises(AssertionError, match="missing"):
+        check_table(surface, path)
+    path.write_text(text)
+    check_table(surface, path)
+    path.write_text(text + "edited\n")
+    with pytest.raises(AssertionError, match="regenerate it"):
+        check_table(surface, path)
+    check_exercised(surface, ["toy.Callback", "toy.Metric"])
+    with pytest.raises(AssertionError, match=r"not run by this test: \['toy.Metric'\]"):
+        check_exercised(surface, ["toy.Callback"])
+    with pytest.raises(AssertionError, match=r"not declared as works: \['toy.Logger'\]"):
+        check_exercised(surface, ["toy.Callback", "toy.Metric", "toy.Logger"])
+    surface.check_tests_exist(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    with pytest.raises(ValueError, match="name the test"):
+        Entry("toy.X", "metric", "works")
+    with pytest.raises(ValueError, match="say why"):
+        Entry("toy.X", "metric", "refused", reason="because")

@@ -115,6 +115,16 @@ def test_runtime_capabilities_are_checked_before_any_process_starts(manager, lau
     assert pp.launch(square_plus, Strategy(plugin_manager=manager), 2, (2,), runtime="serial") == [4, 4]
 
 
+def test_a_precision_or_accumulation_the_runtime_does_not_run_is_refused_before_any_process_starts(manager, launcher):
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'serial' \(plugin 'serial-runtime'\) cannot run precision "
+                                                          r"PrecisionPolicy\('bf16-mixed'\)\. It runs '32'"):
+        pp.launch(square_plus, Strategy(precision="bf16-mixed", plugin_manager=manager), nprocs=2, args=(1,))
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'serial' .* does not implement gradient accumulation"):
+        pp.launch(square_plus, Strategy(batch_size=8, accumulate=2, plugin_manager=manager), nprocs=2, args=(1,))
+    assert launcher.calls == []
+    assert pp.launch(square_plus, Strategy(precision="32", plugin_manager=manager), 2, (3,)) == [9, 9]
+
+
 def test_no_runtime_installed_is_refused_with_the_install_hint(manager):
     with pytest.raises(pp.NoPluginError, match=r"launch\(\) needs a runtime, but no runtime is installed\. "
                                                r"Install one: pip install 'polyparallel\[torch\]'"):

@@ -17,7 +17,7 @@ import pluggy
 import pytest
 
 import polyparallel as pp
-from polyparallel import _manager
+from polyparallel import _routing
 from polyparallel._manager import DISABLE_AUTOLOAD_ENV, PLUGINS_ENV, PluginInfo
 
 
@@ -366,7 +366,7 @@ def test_a_wrapper_sees_every_operation(manager):
 
 
 def test_nobody_answered_lists_plugins_and_the_extra(manager, monkeypatch):
-    monkeypatch.setattr(_manager, "_extras", lambda: {"torch", "jax", "all"})
+    monkeypatch.setattr(_routing, "extras", lambda: {"torch", "jax", "all"})
     manager.register(Owner("alpha"), name="alpha", dist="polyparallel-alpha", version="0.3")
     manager.register(Owner("beta"), name="beta")
     tensor_type = type("Tensor", (), {"__module__": "torch.nn.parameter"})
@@ -395,7 +395,7 @@ def test_nobody_answered_is_a_type_error(manager):
 
 
 def test_extras_come_from_the_installed_metadata():
-    assert "torch" in _manager._extras()
+    assert "torch" in _routing.extras()
 
 
 def test_a_plugin_exception_is_re_raised_naming_the_plugin(manager):

@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 
 import polyparallel as pp
 from polyparallel import _policies
-from polyparallel._policies import DEFAULT_STATE_RULES, DataPolicy, GradPolicy, Mean, MetricPolicy, StatePolicy
+from polyparallel._policies import (
+    DEFAULT_STATE_RULES,
+    DataPolicy,
+    GradPolicy,
+    Mean,
+    MetricPolicy,
+    PrecisionPolicy,
+    StatePolicy,
+)
 
 # -- DataPolicy ---------------------------------------------------------------------------------------
 
@@ -182,6 +190,9 @@ POLICIES = [
     MetricPolicy("sum", {"acc": "mean"}),
     StatePolicy({"encoder.*": "local"}, default="mean"),
     Mean(6.0, 3),
+    PrecisionPolicy("bf16-mixed"),
+    PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16"),
+    GradPolicy(accumulate=4),
 ]
 
 
@@ -201,10 +212,55 @@ def test_immutable(policy):
 
 
 def test_policies_are_exported():
-    assert (pp.DataPolicy, pp.GradPolicy, pp.MetricPolicy, pp.StatePolicy, pp.Mean) == (
-        DataPolicy, GradPolicy, MetricPolicy, StatePolicy, Mean)
+    assert (pp.DataPolicy, pp.GradPolicy, pp.MetricPolicy, pp.StatePolicy, pp.Mean, pp.PrecisionPolicy) == (
+        DataPolicy, GradPolicy, MetricPolicy, StatePolicy, Mean, PrecisionPolicy)
 
 
 def test_doctests():
     result = doctest.testmod(_policies, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- precision -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, dtypes, scaling", [
+    ("32", ("float32", "float32", "float32", "float32"), False),
+    ("bf16-mixed", ("float32", "bfloat16", "float32", "float32"), False),
+    ("bf16-true", ("bfloat16", "bfloat16", "bfloat16", "bfloat16"), False),
+    ("fp16-mixed", ("float32", "float16", "float32", "float32"), True),
+])
+def test_precision_presets(name, dtypes, scaling):
+    policy = PrecisionPolicy(name)
+    assert tuple(policy.dtypes().values()) == dtypes and policy.loss_scaling is scaling
+    assert policy.name == name and repr(policy) == f"PrecisionPolicy({name!r})"
+    assert policy.mixed is (dtypes[0] != dtypes[1])
+
+
+def test_precision_aliases_and_fields_name_the_same_preset():
+    assert PrecisionPolicy("bf16") == PrecisionPolicy("bf16-mixed") == PrecisionPolicy(compute_dtype="bfloat16")
+    assert PrecisionPolicy("16-mixed") == PrecisionPolicy(compute_dtype="float16")  # scaling on by default for fp16
+    assert PrecisionPolicy("32-true") == PrecisionPolicy("fp32") == PrecisionPolicy() == PrecisionPolicy("32")
+    custom = PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16")  # bf16 gradient all-reduce
+    assert custom.name is None and "reduce_dtype='bfloat16'" in repr(custom)
+    assert PrecisionPolicy(compute_dtype="float16", loss_scaling=False).name is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"preset": "bf17"}, r"unknown preset 'bf17'; the presets are '32', 'bf16-mixed', 'bf16-true', 'fp16-mixed'"),
+    ({"preset": "bf16-mixed", "reduce_dtype": "bfloat16"}, r"a preset name or explicit fields, not both"),
+    ({"compute_dtype": "int8"}, r"compute_dtype must be one of 'float64', 'float32', 'bfloat16', 'float16'\. Received: 'int8'"),
+    ({"param_dtype": "bfloat16", "compute_dtype": "float32"}, r"compute is wider than the parameters"),
+    ({"param_dtype": "bfloat16", "compute_dtype": "float16"}, r"two 16-bit dtypes"),
+    ({"compute_dtype": "bfloat16", "loss_scaling": True}, r"loss_scaling=True\) is for float16 compute"),
+    ({"loss_scaling": "yes"}, r"loss_scaling must be True or False"),
+])
+def test_precision_refusals_say_what_to_do(kwargs, message):
+    preset = kwargs.pop("preset", None)
+    with pytest.raises(ValueError, match=message):
+        PrecisionPolicy(preset, **kwargs)
+
+
+def test_accumulate_is_a_positive_count():
+    assert GradPolicy().accumulate == 1 and GradPolicy(accumulate=8).accumulate == 8
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"GradPolicy\.accumulate must be a positive int"):
+            GradPolicy(accumulate=bad)

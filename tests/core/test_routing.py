@@ -25,7 +25,8 @@ MISSING = "polyparallel_not_installed_xyz"
 
 
 class Runtime:
-    """A runtime plugin: declares one runtime; its ``shard_data`` answers only for its own runtime,
+    """A runtime plugin: declares one runtime; its ``shard_data`` answers for every session it is
+    given, with no ``session.runtime`` guard (the core routes it only its own runtime's sessions),
     and it records what ``process_info`` was told."""
 
     def __init__(self, name: str, *, imports: set[str] = frozenset(), backends: set[str] = frozenset(),
@@ -44,7 +45,7 @@ class Runtime:
 
     @pp.hookimpl
     def polyparallel_shard_data(self, session, data):
-        return f"{self.name} sharded {data}" if session.runtime == self.name else None
+        return f"{self.name} sharded {data}"
 
 
 @pytest.fixture
@@ -130,7 +131,7 @@ def test_no_runtime_at_all(manager):
 
 
 def test_runtimes_registered_but_none_installed(manager, monkeypatch):
-    monkeypatch.setattr(_manager, "_extras", lambda: {"torch", "jax"})
+    monkeypatch.setattr(_routing, "extras", lambda: {"torch", "jax"})
     register(manager, Runtime("torch", imports={MISSING}), Runtime("jax", imports={MISSING + "_jax"}))
     with pytest.raises(pp.NoPluginError, match=(
             rf"No runtime is installed \(jax \(plugin 'jax-plugin'\) needs {MISSING}_jax; torch \(plugin "
@@ -207,12 +208,62 @@ def test_a_pickled_strategy_carries_the_choice_into_another_process(manager, mon
 # -- sessions: the runtime reaches the hooks; capabilities checked before any group ------------------------------
 
 
-def test_every_hook_sees_the_session_runtime(manager):
+def test_a_runtime_plugin_sees_only_its_own_runtimes_sessions(manager):
+    # Neither fake runtime guards on session.runtime: the core calls each one's hooks for its own
+    # sessions only (the first would otherwise answer every shard_data call).
     a, b = Runtime("a", priority=1), Runtime("b", priority=2)
     register(manager, a, b)
     assert pp.Strategy(plugin_manager=manager).shard_data("data") == "b sharded data"
     assert pp.Strategy(runtime="a", plugin_manager=manager).shard_data("data") == "a sharded data"
-    assert a.told == ["b", "a"] and b.told == ["b", "a"]  # process_info is told the runtime
+    assert pp.Strategy(runtime="b", plugin_manager=manager, seed=1).shard_data("data") == "b sharded data"
+    assert a.told == ["a"] and b.told == ["b", "b"]  # process_info too is asked only for its own runtime
+
+
+class Observer:
+    """A plugin that is no runtime's: declares nothing, or adapters for some runtimes; records the
+    runtime of every session its hooks see, and wraps shard_data."""
+
+    def __init__(self, adapter_runtimes=None):
+        self.adapter_runtimes, self.seen, self.wrapped = adapter_runtimes, [], []
+
+    @pp.hookimpl
+    def polyparallel_register_adapters(self, register):
+        if self.adapter_runtimes is not None:
+            register(f"adapter-{id(self)}", object, capabilities=pp.Capabilities("x", runtimes=self.adapter_runtimes))
+
+    @pp.hookimpl
+    def polyparallel_session_start(self, session):
+        self.seen.append(session.runtime)
+
+    @pp.hookimpl(wrapper=True)
+    def polyparallel_shard_data(self, session):
+        self.wrapped.append(session.runtime)
+        return (yield)
+
+
+def test_adapters_see_the_runtimes_they_run_on_and_other_plugins_every_session(manager):
+    a, b = Runtime("a", priority=1), Runtime("b", priority=2)
+    anywhere, on_a, on_any_adapter = Observer(), Observer({"a"}), Observer(set())
+    register(manager, a, b)
+    for name, plugin in (("anywhere", anywhere), ("on-a", on_a), ("any-adapter", on_any_adapter)):
+        manager.register(plugin, name=name)
+    assert manager.served_runtimes() == {"polyparallel.core": None, "a-plugin": {"a"}, "b-plugin": {"b"},
+                                         "anywhere": None, "on-a": {"a"}, "any-adapter": None}
+    for runtime in ("a", "b"):
+        assert pp.Strategy(runtime=runtime, plugin_manager=manager).shard_data("d") == f"{runtime} sharded d"
+    assert anywhere.seen == ["a", "b"] and on_any_adapter.seen == ["a", "b"] and on_a.seen == ["a"]
+    assert anywhere.wrapped == ["a", "b"] and on_a.wrapped == ["a"]  # wrappers are routed the same way
+
+
+def test_routes_are_rebuilt_when_plugins_change(manager):
+    a = Runtime("a", priority=1)
+    register(manager, a)
+    assert pp.Strategy(plugin_manager=manager).shard_data("d") == "a sharded d"
+    b = Runtime("b", priority=2)
+    register(manager, b)
+    assert pp.Strategy(plugin_manager=manager, seed=2).shard_data("d") == "b sharded d"
+    manager.unregister("b-plugin")
+    assert pp.Strategy(plugin_manager=manager, seed=3).shard_data("d") == "a sharded d"
 
 
 def test_session_creation_checks_the_runtime_capabilities_first(manager, monkeypatch):

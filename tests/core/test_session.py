@@ -142,6 +142,35 @@ def test_a_closed_session_is_replaced_on_next_use(manager):
     assert second is not first and not second.closed
 
 
+def test_a_failing_start_hook_leaves_no_half_started_session(manager):
+    # Before: the session was cached before its start hooks ran, so after one failed the next
+    # session() returned it as if started (the failing hook never ran again).
+    log: list = []
+    released: list = []
+
+    class FailsOnce:
+        def __init__(self):
+            self.failures = 1
+
+        @pp.hookimpl
+        def polyparallel_session_start(self, session):
+            session.acquire("groups", lambda: "groups", released.append)
+            if self.failures:
+                self.failures -= 1
+                raise OSError("the rendezvous is not up yet")
+
+    manager.register(FailsOnce(), name="fails-once")
+    manager.register(Observer(log), name="observer")  # registered last: its start hook runs first
+    s = Strategy(plugin_manager=manager)
+    with pytest.raises(pp.PluginError, match="fails-once.*polyparallel_session_start.*rendezvous is not up"):
+        s.session()
+    assert manager.sessions() == [] and released == ["groups"]  # closed: shared resources released
+    assert [entry[0] for entry in log] == ["start", "finish"]  # the session is closed: finish hooks run
+    session = s.session()  # made again, and its start hooks run again
+    assert not session.closed and manager.sessions() == [session]
+    assert [entry[0] for entry in log] == ["start", "finish", "start"] and released == ["groups"]
+
+
 def test_stash_creates_once_and_is_cleared_on_close(manager):
     session = Strategy(plugin_manager=manager).session()
     made = []

@@ -144,3 +144,12 @@ def test_exported_and_documented():
     assert {"shard_indices", "shard_length"} <= set(pp.__all__)
     result = doctest.testmod(_sharding, raise_on_error=False, verbose=False)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_micro_batch_size_divides_the_global_batch_over_data_and_accumulation():
+    assert pp.micro_batch_size(64, 2) == 32 and pp.micro_batch_size(64, 2, 2) == 16 and pp.micro_batch_size(8, 8) == 1
+    with pytest.raises(ValueError, match=r"the global batch size 60 does not divide over data=4 ranks x accumulate=2 "
+                                         r"micro-batches; use a multiple of 8 \(56 or 64\)"):
+        pp.micro_batch_size(60, 4, 2)
+    with pytest.raises(ValueError, match=r"accumulate=\) must be a positive int"):
+        pp.micro_batch_size(8, 2, 0)

@@ -265,6 +265,77 @@ def test_replace_batch_size_is_checked_against_the_data_axis():
     assert Strategy(data=-1, batch_size=10).data_policy.batch_size == 10  # checked once the world is known
 
 
+def test_replace_batch_size_none_drops_the_global_batch():
+    # Before: batch_size=None meant "not given" inside replace, so the old 64 stayed.
+    s = Strategy(data=2, batch_size=64)
+    assert s.replace(batch_size=None).data_policy.batch_size is None
+    assert s.replace(batch_size=None) == Strategy(data=2)
+    assert s.replace(batch_size=None, data_policy=DataPolicy(shuffle=True)).data_policy == DataPolicy(shuffle=True)
+    assert s.replace(batch_size=8, data_policy=DataPolicy(shuffle=True)).data_policy == DataPolicy(batch_size=8, shuffle=True)
+    assert s.replace(seed=1).data_policy.batch_size == 64  # untouched unless named
+
+
+def test_replace_keeps_the_runtime_the_launching_process_chose(manager, monkeypatch):
+    # Before: a strategy unpickled in a launched process carried its parent's runtime choice, but
+    # strategy.replace(...) dropped it, so the copy could choose another runtime there.
+    import pickle
+
+    from polyparallel import _manager
+
+    class Runtime:
+        def __init__(self, name, priority):
+            self.caps = pp.Capabilities(name, priority=priority)
+
+        @pp.hookimpl
+        def polyparallel_capabilities(self):
+            return self.caps
+
+    manager.register(Runtime("a", 1), name="a-plugin")
+    parent = Strategy(plugin_manager=manager)
+    assert parent.resolve_runtime() == "a"
+    child_pm = pp.PluginManager(autoload=False)  # the child would choose b by itself
+    child_pm.register(Runtime("a", 1), name="a-plugin")
+    child_pm.register(Runtime("b", 2), name="b-plugin")
+    monkeypatch.setattr(_manager, "_default", child_pm)
+    child = pickle.loads(pickle.dumps(parent))
+    assert child.resolve_runtime() == "a"
+    assert child.replace(seed=5).resolve_runtime() == "a"
+    assert child.replace(timeout=5.0, batch_size=4).resolve_runtime() == "a"
+    assert child.replace(runtime="b").resolve_runtime() == "b"  # an explicit choice wins
+    assert child.replace(backend="tree")._runtime_hint is None  # another backend: chosen again
+
+
+def test_precision_and_accumulate_are_part_of_the_value():
+    s = Strategy(data=2, batch_size=64, precision="bf16-mixed", accumulate=2)
+    assert s.precision == pp.PrecisionPolicy("bf16-mixed") and s.accumulate == 2 and s.grad_policy.accumulate == 2
+    assert s == Strategy(data=2, batch_size=64, precision=pp.PrecisionPolicy(compute_dtype="bfloat16"),
+                         grad_policy=pp.GradPolicy(accumulate=2))
+    assert s != s.replace(precision=None) and s != s.replace(accumulate=1)
+    assert repr(s) == "Strategy(pipeline=1, data=2, tensor=1, timeout=60, seed=0, precision='bf16-mixed', accumulate=2)"
+    assert Strategy().precision is None and Strategy().accumulate == 1  # unset: the model's own dtypes, no accumulation
+    import pickle
+
+    assert pickle.loads(pickle.dumps(s)) == s and hash(pickle.loads(pickle.dumps(s))) == hash(s)
+    assert s.replace(accumulate=4, batch_size=128).accumulate == 4
+    assert s.replace(grad_policy=pp.GradPolicy(op="sum"), accumulate=4).grad_policy == pp.GradPolicy(op="sum", accumulate=4)
+
+
+def test_precision_and_accumulate_are_validated_at_construction():
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(precision=\): unknown preset 'bf8'"):
+        Strategy(precision="bf8")
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(precision=\) must be a preset name .* Received: 16"):
+        Strategy(precision=16)
+    with pytest.raises(pp.TopologyError, match=r"Strategy\(accumulate=\) must be a positive int"):
+        Strategy(accumulate=0)
+    with pytest.raises(pp.TopologyError, match=r"accumulate= or grad_policy=GradPolicy\(accumulate=\), not two"):
+        Strategy(accumulate=2, grad_policy=pp.GradPolicy(accumulate=3))
+    with pytest.raises(pp.TopologyError, match=r"the global batch size 48 does not divide over data=4 ranks x "
+                                               r"accumulate=8 micro-batches .* multiple of 32 \(32 or 64\)"):
+        Strategy(data=4, batch_size=48, accumulate=8)
+    with pytest.raises(pp.TopologyError, match=r"does not divide over accumulate=4 micro-batches"):
+        Strategy(batch_size=6, accumulate=4)  # data inferred later: the micro-batches alone must divide it
+
+
 # -- check and adapt: refuse before anything starts ------------------------------------------------------
 
 

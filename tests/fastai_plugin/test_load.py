@@ -14,7 +14,7 @@ from fastai.learner import save_model  # noqa: E402
 from fastai.optimizer import SGD  # noqa: E402
 from torch import nn  # noqa: E402
 
-from polyparallel_fastai.callback import _load_model  # noqa: E402
+from polyparallel_fastai.files import load_model as _load_model  # noqa: E402
 
 
 def test_two_threads_load_a_checkpoint_with_optimizer_state_at_once(tmp_path: Path, monkeypatch) -> None:

@@ -233,3 +233,31 @@ def test_a_checkpoint_saved_again_under_its_name_survives_a_failed_save(tmp_path
     restored = Counter()
     ignite.load_checkpoint(tmp_path / "latest", {"model": _plain_job(strategy)[0], "counter": restored})
     assert restored.n == 2
+
+
+def test_a_loader_restored_from_an_ignite_checkpoint_moves_on_in_a_plain_loop(tmp_path):
+    # Ignite pins the sampler's epoch (set_epoch at every EPOCH_STARTED); a plain loop resumed
+    # from its checkpoint must see the rest of the saved epoch, then the next epochs' orders,
+    # not the saved epoch's order again and again.
+    from ignite.engine import Events
+
+    from polyparallel_torch.testing import reference_dataset
+
+    strategy = pp.Strategy(data=1, batch_size=GLOBAL_BATCH, seed=0)
+    ignite = strategy.adapt("ignite")
+    model, optimizer, loader, trainer = _job(ignite)
+    ignite.checkpoint({"model": model, "optimizer": optimizer, "trainer": trainer}, tmp_path, every=STOP)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=STOP), lambda engine: engine.terminate())
+    trainer.run(loader, max_epochs=3)
+
+    model, optimizer, loader, _ = _job(ignite)  # a plain loop from here on
+    progress = strategy.load(tmp_path / f"checkpoint_{STOP}", model=model, optimizer=optimizer, loader=loader)
+    assert (progress["epoch"], progress["step"]) == (1, 2)
+    xs = reference_dataset(SAMPLES).tensors[0]
+
+    def order(epoch):
+        return xs[pp.shard_indices(SAMPLES, 0, 1, seed=0, epoch=epoch)]
+
+    passes = [torch.cat([x for x, _ in loader]) for _ in range(2)]
+    torch.testing.assert_close(passes[0], order(1)[2 * GLOBAL_BATCH:], msg="the rest of the saved epoch")
+    torch.testing.assert_close(passes[1], order(2), msg="the next epoch's order")

@@ -230,3 +230,46 @@ def test_train_single_process_matches_plain_ignite():
         torch.utils.data.DataLoader(dataset, batch_size=8), max_epochs=2)
     for a, b in zip(ours.parameters(), plain.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- EpochMetric on shards of different sizes ------------------------------------------------------
+UNEVEN = 23  # 12 + 11 samples at data=2
+
+
+def _uneven_data():
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.rand(UNEVEN, generator=generator, dtype=torch.float64)
+    labels = (torch.rand(UNEVEN, generator=generator, dtype=torch.float64) < scores).long()
+    return scores, labels
+
+
+def _epoch_metric_worker():
+    from ignite.engine import Engine
+    from ignite.metrics import ROC_AUC, AveragePrecision
+
+    strategy = pp.Strategy(data=2, timeout=30)
+    ignite = strategy.adapt("ignite")
+    scores, labels = _uneven_data()
+    loader = ignite.auto_dataloader(torch.utils.data.TensorDataset(scores, labels), batch_size=8, shuffle=False,
+                                    remainder="uneven")
+    evaluator = ignite.attach(Engine(lambda engine, batch: batch), loader)
+    ROC_AUC().attach(evaluator, "roc_auc")
+    AveragePrecision().attach(evaluator, "ap")
+    evaluator.run(loader)
+    return {"shard": len(loader.sampler), **evaluator.state.metrics}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_epoch_metrics_gather_shards_of_different_sizes_and_equal_sklearn(run):
+    """ROC_AUC / AveragePrecision (EpochMetric: every rank's predictions all-gathered) on 23
+    samples at data=2: shards of 12 and 11 rows. Before the fix gloo aborted a rank ("Received
+    data size doesn't match expected size")."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    scores, labels = _uneven_data()
+    results = run(_epoch_metric_worker, pp.Strategy(data=2), 2, timeout=200)
+    assert sorted(r["shard"] for r in results) == [11, 12]
+    for r in results:
+        assert r["roc_auc"] == pytest.approx(roc_auc_score(labels.numpy(), scores.numpy()), abs=1e-12)
+        assert r["ap"] == pytest.approx(average_precision_score(labels.numpy(), scores.numpy()), abs=1e-12)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -70,8 +71,30 @@ def test_written_at_data4_tensor2_loads_at_data8_and_on_one_device(jax_strategy,
     _assert_close(nnx.state(read.module, nnx.Param), nnx.state(written.module, nnx.Param), atol=1e-5)
 
 
+def test_local_batch_stats_loaded_under_another_strategy_start_like_a_refit(jax_strategy, tmp_path):
+    # A checkpoint holds the average of the per-device statistics; loaded under data=4 x tensor=2,
+    # every device starts from it, exactly as the Model that wrote it does when it is refitted there.
+    x, y = dataset(200)
+    local = {"batch_stats*": "local"}
+    written = _model()
+    written.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=8, state_policy=local), verbose=0)
+    path = written.save(str(tmp_path / "ckpt"))
+    read = _model(seed=5)
+    read.load(path, strategy=jax_strategy(data=4, tensor=2, state_policy=local))
+    assert read.batch_stats_per_device is None  # per-device copies start at the next fit
+    for model in (written, read):
+        model.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=4, tensor=2, state_policy=local), verbose=0)
+    assert np.asarray(read.batch_stats_per_device["bn"]["mean"][...]).shape[0] == 4
+    _assert_close(read.batch_stats_per_device, written.batch_stats_per_device, atol=1e-6)
+    _assert_close(_everything(read), _everything(written), atol=1e-6)
+
+
 class _Killed(Exception):
     """Stands for the job dying right after a checkpoint was committed."""
+
+
+class _Died(BaseException):
+    """Stands for the job being killed in the middle of a save (no error handling runs)."""
 
 
 @pytest.mark.parametrize("resumed_at", [dict(data=4, tensor=2), dict(data=8)], ids=["same", "data=8"])
@@ -148,10 +171,10 @@ def test_a_checkpoint_killed_before_its_commit_is_never_loaded(saved, jax_strate
     model.load(saved)
 
     def killed(directory, metadata):  # the job dies after the arrays, before the marker
-        raise _Killed
+        raise _Died  # not an error the save handles: nothing is cleaned up, as when killed
 
     monkeypatch.setattr(core, "write_marker", killed)
-    with pytest.raises(_Killed):
+    with pytest.raises(_Died):
         model.save(str(tmp_path / "step-00000099"))
     monkeypatch.undo()
     staging = [n for n in os.listdir(tmp_path) if n.startswith("step-00000099.partial-")]
@@ -217,6 +240,35 @@ def test_old_msgpack_files_still_load(jax_strategy, tmp_path):
     _assert_close(nnx.state(read.module, nnx.Param), nnx.state(written.module, nnx.Param), atol=1e-5)
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"not a checkpoint\n", r"is a file that is not msgpack \(ExtraData: .*\); Model.load\(\) reads a checkpoint "
+                             r"directory written by Model.save\(\), or a flax msgpack file"),
+    (b"", r"is a file that is not msgpack \(ValueError: .*\); Model.load\(\) reads a checkpoint directory"),
+    (serialization.msgpack_serialize([1, 2, 3]), r"is msgpack but holds no 'module' state; Model.load\(\) reads"),
+], ids=["text", "empty", "msgpack-list"])
+def test_a_file_that_is_no_model_msgpack_is_refused_naming_it(tmp_path, content, message):
+    path = tmp_path / "model.ckpt"
+    path.write_bytes(content)
+    model = _model()
+    before = _host(nnx.state(model.module))
+    with pytest.raises(pp.CheckpointError, match=re.escape(repr(str(path))) + " " + message):
+        model.load(str(path))
+    _assert_close(nnx.state(model.module), before, atol=0)
+
+
+def test_another_models_msgpack_file_is_refused_naming_the_leaf(tmp_path):
+    other = _model(hidden=8)
+    blob = {"module": nnx.to_pure_dict(nnx.state(other.module, (nnx.Param, nnx.BatchStat)))}
+    path = tmp_path / "model.msgpack"
+    path.write_bytes(serialization.msgpack_serialize(jax.tree.map(np.asarray, blob)))
+    model = _model()
+    before = _host(nnx.state(model.module))
+    with pytest.raises(pp.CheckpointError, match=r"module/l1/kernel has shape \(12, 8\) in the checkpoint but "
+                                                 r"\(12, 16\) here.*Nothing was restored"):
+        model.load(str(path))
+    _assert_close(nnx.state(model.module), before, atol=0)
+
+
 def test_metadata_is_json_the_cli_can_show(saved):
     with open(os.path.join(saved, core.MARKER)) as f:
         meta = json.load(f)
@@ -260,6 +312,67 @@ def test_a_commit_failing_on_process_0_fails_every_process_without_waiting(tmp_p
     tests = str(Path(__file__).parents[1])  # the processes import this module as jax_plugin.test_checkpoint
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
     first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120)
-    assert first.startswith("OSError") and "No space left" in first, first
-    assert second.startswith("CheckpointError") and "failed on process 0" in second, second
-    assert not os.path.exists(tmp_path / "step-1")
+    # The same error in both processes, naming the path, the process and the operating system's error.
+    assert first == second, (first, second)
+    assert first.startswith("CheckpointError") and "committing it failed on process 0" in first, first
+    assert "[Errno 28] No space left on device" in first and str(tmp_path / "step-1") in first, first
+    assert os.listdir(tmp_path) == [], "neither the checkpoint nor its staging directory is left"
+
+
+def test_a_full_disk_fails_the_save_alike_and_keeps_the_previous_checkpoint(saved, tmp_path):
+    # In a subprocess: a file size limit (RLIMIT_FSIZE, SIGXFSZ ignored: writes fail with EFBIG, as
+    # a full disk fails them with ENOSPC) must not hit the test runner's own files.
+    import subprocess
+    import sys
+    import textwrap
+
+    target = str(tmp_path / "step-00000099")
+    script = textwrap.dedent(f"""
+        import resource, signal
+        import optax
+        from polyparallel_jax import Model
+        from polyparallel_jax.conformance import small_mlp
+        model = Model(small_mlp(seed=0), optimizer=optax.adam(1e-2), metrics=["accuracy"])
+        model.load({saved!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            model.save({target!r})
+            print("OUTCOME saved")
+        except Exception as exc:
+            print("OUTCOME", type(exc).__name__, exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    outcome = [line for line in done.stdout.splitlines() if line.startswith("OUTCOME")]
+    assert outcome and outcome[0].startswith("OUTCOME CheckpointError"), done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"'{target}': writing its arrays failed on process 0" in outcome[0], outcome[0]
+    assert "Nothing was published" in outcome[0] and "File too large" in outcome[0], outcome[0]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("step-00000099")], os.listdir(tmp_path)
+    assert pp.latest_checkpoint(str(tmp_path)) == saved
+
+
+def test_a_manager_keeps_the_newest_jax_checkpoints_and_partial_loads_are_refused(saved, jax_strategy, tmp_path):
+    strategy = jax_strategy(data=8)
+    model = _model()
+    model.load(saved, strategy=strategy)
+    manager = pp.CheckpointManager(strategy, tmp_path / "managed", keep=2)
+    for step in (1, 2, 3):
+        manager.save(step, model=model, note=step)
+    assert sorted(os.listdir(tmp_path / "managed")) == ["step-00000002", "step-00000003"]
+    meta = core.read_marker(manager.latest())
+    assert meta["version"] == core.VERSION and meta["id"] and set(meta["sha256"]) == set(meta["files"])
+    fresh = _model(seed=2)
+    assert manager.restore(model=fresh)["note"] == 3
+    _assert_close(nnx.state(fresh.module, nnx.Param), nnx.state(model.module, nnx.Param), atol=0)
+    # A flipped byte in an array file is refused, naming it.
+    name = max(meta["files"], key=meta["files"].get)
+    with open(os.path.join(manager.latest(), name), "r+b") as f:
+        f.seek(meta["files"][name] // 2)
+        byte = f.read(1)
+        f.seek(meta["files"][name] // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(pp.CheckpointError, match=rf"{name} is not the file this checkpoint wrote"):
+        _model().load(manager.latest(), strategy=strategy)
+    with pytest.raises(pp.CheckpointError, match=r"the JAX runtime loads whole models only"):
+        strategy.load(str(tmp_path / "managed" / "step-00000002"), model=_model(), strict=False)

@@ -63,6 +63,29 @@ def test_local_batch_stats_differ_and_eval_sync_recovers_global(jax_strategy):
     np.testing.assert_allclose(_stats(local)[("bn", "mean")], _stats(single)[("bn", "mean")], atol=1e-5)
 
 
+@pytest.mark.parametrize("refit", [dict(data=4, tensor=2, state_policy={"batch_stats*": "local"}),
+                                   dict(data=8)], ids=["local-data4xtensor2", "mean-data8"])
+def test_local_batch_stats_are_averaged_and_dropped_when_the_strategy_changes(jax_strategy, refit):
+    # lr=0, as above: the single-device running mean after two fits is the EMA of global batch
+    # means, and so is the average of per-device EMAs if a new strategy starts every device from
+    # the average of the old per-device copies. 8 per-device rows put into 4 devices (each keeping
+    # the first of its pair), or kept under the "mean" policy, start from something else.
+    x, y = dataset(200)
+    single = Model(small_mlp(), optimizer=optax.sgd(0.0))
+    single.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    single.fit(x, y, epochs=1, batch_size=32, verbose=0)
+    model = Model(small_mlp(), optimizer=optax.sgd(0.0))
+    model.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(data=8, state_policy={"batch_stats*": "local"}),
+              verbose=0)
+    model.fit(x, y, epochs=1, batch_size=32, strategy=jax_strategy(**refit), verbose=0)
+    per_device = model.batch_stats_per_device
+    if "state_policy" in refit:
+        assert np.asarray(per_device["bn"]["mean"][...]).shape[0] == 4  # one row per data coordinate now
+    else:
+        assert per_device is None  # synchronised BatchNorm keeps no per-device copies
+    np.testing.assert_allclose(_stats(model)[("bn", "mean")], _stats(single)[("bn", "mean")], atol=1e-5)
+
+
 def test_mean_policy_batch_stats_equal_single_device(jax_strategy):
     single, _ = _fit(None)
     parallel, _ = _fit(jax_strategy(data=8))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -152,13 +151,13 @@ def test_strategy_save_and_load_a_module_with_its_optimizer_and_loader(jax_strat
         read_at.save(str(tmp_path / "ckpt"), model=other, optimizer=optax.adam(1e-2))
 
 
-def test_the_checkpoint_hooks_answer_only_on_the_jax_runtime(tmp_path):
-    from types import SimpleNamespace
-
-    from polyparallel_jax.conformance import small_mlp
-
-    on_torch = SimpleNamespace(runtime="torch")  # the hooks read session.runtime only before answering
-    state = {"model": small_mlp()}
-    assert polyparallel_jax.plugin.polyparallel_save_checkpoint(None, on_torch, str(tmp_path / "c"), state) is None
-    assert polyparallel_jax.plugin.polyparallel_load_checkpoint(None, on_torch, str(tmp_path / "c"), state) is None
-    assert not os.listdir(tmp_path)
+def test_the_core_asks_the_jax_hooks_only_on_the_jax_runtime(plugin_manager):
+    # The hooks carry no session.runtime guard: the core leaves the JAX plugin out of every other
+    # runtime's calls (checkpoints, launch and process_info included).
+    served = plugin_manager.served_runtimes()
+    assert served["jax"] == {"jax"}
+    for hook in ("polyparallel_save_checkpoint", "polyparallel_load_checkpoint", "polyparallel_launch",
+                 "polyparallel_process_info", "polyparallel_reduce_metrics"):
+        on_torch = {impl.plugin_name for impl in plugin_manager._routed_caller(hook, "torch").get_hookimpls()}
+        on_jax = {impl.plugin_name for impl in plugin_manager._routed_caller(hook, "jax").get_hookimpls()}
+        assert "jax" not in on_torch and "jax" in on_jax, hook

@@ -155,3 +155,80 @@ def test_refuses_checkpoints_without_lightning_state_and_several_optimizers(tmp_
         trainer.save_checkpoint(str(tmp_path / "two"))
     assert not (tmp_path / "two").exists()
     assert collectives == [], "refused before the path's broadcast (a collective every rank would enter)"
+
+
+class _Planted:
+    """A pickle that runs code when unpickled: it writes the file ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('ran')",))
+
+
+def _planted_worker(directory, sentinel):
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+
+    strategy = pp.Strategy(data=2, zero=3, batch_size=GLOBAL_BATCH, seed=0, timeout=60)
+    trainer = make_trainer(strategy, NS, max_steps=1, limit_val_batches=0)
+    try:
+        trainer.fit(reference_module_class(NS)(0), _loader(), ckpt_path=directory)
+        outcome = ["loaded", ""]
+    except Exception as exc:
+        outcome = [type(exc).__name__, str(exc)]
+    return {"rank": strategy.rank, "outcome": outcome, "ran": os.path.exists(sentinel)}
+
+
+def test_a_crafted_lightning_directory_is_never_unpickled(run, tmp_path):
+    # A directory holding meta.pt is read as Lightning's ModelParallelStrategy format (zero >= 1; at
+    # zero=3 the parameters are DTensors, which that loader needs before it reads anything),
+    # whose DCP reader would pickle.load its .metadata: a crafted directory would run code.
+    import pickle
+
+    import torch
+
+    require = pytest.importorskip("polyparallel_torch.plugin")
+    if 3 not in require.CAPABILITIES.stages:
+        pytest.skip("the torch runtime does not declare zero=3")
+    directory, sentinel = tmp_path / "crafted.ckpt", tmp_path / "ran.txt"
+    directory.mkdir()
+    torch.save({"epoch": 0, "global_step": 0}, directory / "meta.pt")
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(_Planted(str(sentinel)), f)
+    results = run(_planted_worker, pp.Strategy(data=2, zero=3, timeout=60), 2, str(directory), str(sentinel),
+                  timeout=300)
+    assert not sentinel.exists(), "the crafted .metadata ran code"
+    for r in results:
+        assert r["outcome"][0] == "CheckpointError" and "refusing to load builtins.exec" in r["outcome"][1], r
+
+
+def test_async_checkpoint_io_saves_through_async_save_and_commits_each(tmp_path, monkeypatch):
+    """One process: Lightning's own switch for asynchronous saves, ``AsyncCheckpointIO``, makes every
+    save an ``async_save``; ``ModelCheckpoint``'s removal of the older checkpoint waits for the new
+    one's commit, and the teardown for the last."""
+    import importlib
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+    from polyparallel_torch import checkpoint_async
+    from polyparallel_torch.testing import flat_params
+
+    started = []
+    start = checkpoint_async.start
+    monkeypatch.setattr(checkpoint_async, "start", lambda strategy, runtime, path, *args: started.append(
+        os.path.basename(path)) or start(strategy, runtime, path, *args))
+    async_io = importlib.import_module(f"{NS}.plugins.io").AsyncCheckpointIO
+    strategy = pp.Strategy(data=1, batch_size=GLOBAL_BATCH, seed=0)
+    module = reference_module_class(NS)(0, momentum=0.9)
+    saver = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=1)
+    trainer = make_trainer(strategy, NS, max_steps=4, enable_checkpointing=True, callbacks=[saver],
+                           limit_val_batches=0, plugins=[async_io()])
+    trainer.fit(module, _loader())
+    assert started == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert trainer.strategy._pending_save is None, "the teardown finished the save in flight"
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=4.ckpt"], "the older one removed after the newer's commit"
+    fresh = reference_module_class(NS)(1)
+    pp.Strategy(data=1).load(str(tmp_path / "epoch=0-step=4.ckpt"), model=fresh)
+    assert flat_params(fresh.net) == flat_params(module.net)

@@ -186,6 +186,17 @@ def test_round_trips_across_topologies_and_exact_resumption(run, tmp_path):
     strategy.load(f"{tmp}/tp", model=plain, optimizer=plain_opt)  # the documented one-liner
     _assert_same(plain.state_dict(), tp["params"], 1e-6)
     _assert_same(_full_optim(plain, plain_opt), tp["optim"], 1e-6)
+    # ... and as one consolidated file that plain torch.load reads (checkpoint export).
+    from click.testing import CliRunner
+
+    from polyparallel import cli as cli_module
+
+    exported = CliRunner().invoke(cli_module.cli, ["checkpoint", "export", f"{tmp}/tp", "--to", "torch"])
+    assert exported.exit_code == 0, exported.output
+    consolidated = torch.load(f"{tmp}/tp.pt", weights_only=True)
+    _assert_same(consolidated["model"], tp["params"], 0)
+    _assert_same(consolidated["optimizer"], tp["optim"], 0)
+    assert consolidated["extras"]["note"] == "tp"
 
     # pipeline=2 x data=2 -> data=2: every stage's parameters and optimizer state, once.
     whole = {k: v for r in written for k, v in r["stage"]["params"].items()}
@@ -449,3 +460,132 @@ def test_adam_moments_load_into_a_fresh_optimizer_with_or_without_gradients(tmp_
     plain = _mlp()
     with pytest.raises(pp.CheckpointError, match=r"another optimizer's state: its \['optim.state.*would not be loaded"):
         one.load(str(tmp_path / "sgd"), model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+
+
+# -- issue 20: content hashes, per-save identity, named mismatches ------------------------------------------------
+def _trained(seed: int):
+    one = pp.Strategy(data=1, batch_size=BATCH)
+    model = _mlp(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    batch = next(iter(one.shard_data(_dataset())))
+    for _ in range(2):
+        _step(one, model, opt, batch)
+    return one, model, opt
+
+
+def test_a_shard_of_another_checkpoint_or_flipped_bytes_is_refused_naming_the_file(tmp_path):
+    one, model, opt = _trained(0)
+    first = one.save(str(tmp_path / "a"), model=model, optimizer=opt)
+    _, other, other_opt = _trained(1)
+    second = one.save(str(tmp_path / "b"), model=other, optimizer=other_opt)
+    (shard,) = [f for f in os.listdir(first) if f.endswith(".distcp")]
+    assert os.path.getsize(os.path.join(first, shard)) == os.path.getsize(os.path.join(second, shard))
+    with open(os.path.join(second, shard), "rb") as f:
+        foreign = f.read()
+    with open(os.path.join(first, shard), "wb") as f:  # same size: only the sizes were checked
+        f.write(foreign)
+    fresh = _mlp(5)
+    with pytest.raises(pp.CheckpointError, match=rf"{shard} is not the file this checkpoint wrote"):
+        one.load(first, model=fresh, optimizer=torch.optim.Adam(fresh.parameters(), lr=0.01))
+    # Flipped bytes in the middle of a tensor's data (not in torch's own headers).
+    third = one.save(str(tmp_path / "c"), model=model, optimizer=opt)
+    size = os.path.getsize(os.path.join(third, shard))
+    with open(os.path.join(third, shard), "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(pp.CheckpointError, match=rf"{shard} is not the file this checkpoint wrote"):
+        one.load(third, model=_mlp(5))
+
+
+def test_an_optimizer_of_another_model_is_named(tmp_path):
+    one, model, opt = _trained(0)
+    stranger = _mlp(1)
+    with pytest.raises(pp.CheckpointError, match=r"optimizer=\): .*not parameters of model="):
+        one.save(str(tmp_path / "x"), model=model, optimizer=torch.optim.Adam(stranger.parameters(), lr=0.01))
+    assert not os.listdir(tmp_path)
+    path = one.save(str(tmp_path / "ok"), model=model, optimizer=opt)
+    with pytest.raises(pp.CheckpointError, match=r"optimizer=\): .*not parameters of model="):
+        one.load(path, model=_mlp(2), optimizer=torch.optim.Adam(stranger.parameters(), lr=0.01))
+
+
+# -- one launch of 2 processes: a full disk on one rank, and a shard of another checkpoint ------------------------
+def _disk_worker(tmp: str):
+    import resource
+    import signal
+
+    strategy = pp.Strategy(data=2, timeout=30)
+    torch.manual_seed(0)
+    model = strategy.wrap_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    strategy.save(f"{tmp}/step-1", model=model, optimizer=opt)
+    saved = full_state(model)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    outcomes, listings = {}, {}
+    # 64 KiB: rank 1's JSON file fits, its DCP shard does not; 1 KiB: not even its JSON file.
+    for case, limit in (("shards", 64 * 1024), ("rank file", 1024)):
+        if strategy.rank == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            strategy.save(f"{tmp}/step-2", model=model, optimizer=opt)
+            outcomes[case] = ["saved", ""]
+        except Exception as exc:  # what users' code and frameworks' handlers catch
+            outcomes[case] = [type(exc).__name__, str(exc)]
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is one
+            outcomes[case] = [f"BaseException {type(exc).__name__}", str(exc)]
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        torch.distributed.barrier()  # every rank is past this case (the next one makes its staging directory)
+        listings[case] = [sorted(os.listdir(tmp)), pp.latest_checkpoint(tmp)]
+        torch.distributed.barrier()
+    # The job goes on: the next save works, and the previous checkpoint is intact.
+    strategy.save(f"{tmp}/step-3", model=model, optimizer=opt)
+    fresh = strategy.wrap_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    strategy.load(f"{tmp}/step-1", model=fresh)
+    reloaded = full_state(fresh)
+
+    # A shard of another checkpoint (same shapes, so the same size) copied over rank 1's.
+    torch.manual_seed(1)
+    other = strategy.wrap_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    strategy.save(f"{tmp}/other", model=other)
+    strategy.save(f"{tmp}/mine", model=model)
+    if strategy.rank == 0:
+        import shutil
+
+        shutil.copyfile(f"{tmp}/other/__1_0.distcp", f"{tmp}/mine/__1_0.distcp")
+    torch.distributed.barrier()  # the swap is done before any rank loads
+    try:
+        strategy.load(f"{tmp}/mine", model=fresh)
+        swapped = ["loaded", ""]
+    except Exception as exc:
+        swapped = [type(exc).__name__, str(exc)]
+    return {"rank": strategy.rank, "outcomes": outcomes, "listings": listings, "saved": saved,
+            "reloaded": reloaded, "swapped": swapped}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_a_full_disk_on_one_rank_fails_alike_everywhere_and_keeps_the_previous_checkpoint(run, tmp_path):
+    results = run(_disk_worker, pp.Strategy(data=2, timeout=30), 2, str(tmp_path), timeout=300)
+    for case in ("shards", "rank file"):
+        kinds = {r["outcomes"][case][0] for r in results}
+        messages = {r["outcomes"][case][1] for r in results}
+        assert kinds == {"CheckpointError"}, (case, [r["outcomes"][case] for r in results])
+        assert len(messages) == 1, (case, messages)  # the same error on every rank
+        (message,) = messages
+        assert str(tmp_path / "step-2") in message and "rank 1" in message, message
+        assert "Errno 27" in message and "File too large" in message, message
+        assert {"shards": "/__1_0.distcp", "rank file": "/ranks/rank-00001.json"}[case] in message, message
+        listing, latest = results[0]["listings"][case]
+        assert listing == ["step-1"], f"{case}: the staging directory stays behind: {listing}"
+        assert latest == str(tmp_path / "step-1")
+    for r in results:
+        for name, value in r["saved"].items():
+            torch.testing.assert_close(r["reloaded"][name], value, rtol=0, atol=0, msg=name)
+        assert r["swapped"][0] == "CheckpointError", r["swapped"]
+        assert "__1_0.distcp is not the file this checkpoint wrote" in r["swapped"][1], r["swapped"]
+    assert results[0]["swapped"] == results[1]["swapped"]

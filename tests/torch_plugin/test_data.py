@@ -365,3 +365,25 @@ def test_set_epoch_to_another_epoch_drops_a_resume_that_was_not_used():
     loader.sampler.set_epoch(5)
     loader.sampler.set_epoch(2)  # the resume was for epoch 2 of before; it is gone once the epoch changed
     assert len(loader) == 6 and loader.state_dict()["batches"] == 0
+
+
+def test_a_loader_restored_from_a_pinned_run_moves_on_in_a_plain_loop():
+    # Saved under Lightning or Ignite (set_epoch pins the epoch), resumed in a plain loop (no
+    # set_epoch): the restored position is for the saved epoch only; every later pass is the next
+    # epoch, not the saved epoch's order again.
+    (saved,) = _loaders(48, 1, 8)
+    saved.sampler.set_epoch(1)
+    _global_batches([saved], steps=2)
+    state = saved.state_dict()
+    assert state["pinned"] is True and (state["epoch"], state["batches"]) == (1, 2)
+    (resumed,) = _loaders(48, 1, 8)
+    resumed.load_state_dict(state)
+    (reference,) = _loaders(48, 1, 8)
+    reference.sampler.set_epoch(1)
+    epoch1 = _global_batches([reference])
+    passes = [_global_batches([resumed]) for _ in range(3)]
+    assert passes[0] == epoch1[2:]  # the rest of the saved epoch
+    for epoch, got in zip((2, 3), passes[1:]):
+        reference.sampler.set_epoch(epoch)
+        assert got == _global_batches([reference]), f"pass of epoch {epoch}"
+    assert resumed.state_dict()["epoch"] == 4 and resumed.state_dict()["pinned"] is False

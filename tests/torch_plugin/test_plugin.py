@@ -1,8 +1,9 @@
-"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's declaration and its hook guards.
+"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's declaration and its routing.
 
-Every hook answers only when the session's runtime is torch. The world below is two processes
-without ``MASTER_ADDR``: a torch hook that answered another runtime's strategy would try to make
-a process group and fail on that (the bug measured with ``backend="jax"`` strategies).
+The core calls the torch hooks only for sessions (and launches) whose runtime is torch; the hooks
+carry no guard of their own. The world below is two processes without ``MASTER_ADDR``: a torch
+hook that answered another runtime's strategy would try to make a process group and fail on that
+(the bug measured with ``backend="jax"`` strategies).
 """
 
 from __future__ import annotations
@@ -60,8 +61,17 @@ def test_no_torch_hook_answers_for_another_runtime(pm):
     assert strategy.session().runtime == "other"
 
 
-def test_the_torch_launcher_answers_only_for_torch():
-    assert torch_plugin.polyparallel_launch(print, pp.Strategy(), "other", 2, (), {}, None) is None
+class LaunchingRuntime(OtherRuntime):
+    @pp.hookimpl
+    def polyparallel_launch(self, fn, nprocs):
+        return [f"other ran {fn.__name__}"] * nprocs
+
+
+def test_the_core_asks_the_torch_plugin_only_for_torch(pm):
+    assert pm.served_runtimes()["torch"] == {"torch"}
+    pm.register(LaunchingRuntime(), name="launching-other")
+    # Another runtime's launch reaches its plugin; the torch launcher (which would spawn) is never asked.
+    assert pp.launch(repr, pp.Strategy(data=2, runtime="other", plugin_manager=pm), nprocs=2) == ["other ran repr"] * 2
 
 
 def test_on_the_torch_runtime_the_hooks_answer(pm, monkeypatch):

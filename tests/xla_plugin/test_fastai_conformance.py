@@ -1,5 +1,5 @@
 """The conformance kit for the fastai adapter on the XLA runtime at data=2 on 2 XLA CPU devices
-(:class:`polyparallel_xla.testing.FastaiXlaDriver`: the fastai driver unchanged, ranks as
+(:class:`polyparallel_fastai.testing.FastaiXlaDriver`: the fastai driver unchanged, ranks as
 device threads). The skipped-collective clause: the replica whose Learner has no recorder never
 joins the metric reduction, and its peer fails on the host check within the timeout, naming
 operation, axis and rank."""
@@ -13,7 +13,7 @@ pytest.importorskip("fastai")
 
 import polyparallel as pp  # noqa: E402
 from polyparallel.testing import ConformanceSuite  # noqa: E402
-from polyparallel_xla.testing import FastaiXlaDriver  # noqa: E402
+from polyparallel_fastai.testing import FastaiXlaDriver  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
