@@ -36,6 +36,7 @@ PIPELINE_CONFORMANCE = _T + "test_conformance.py::TestDeepSpeedPipeline2Data2Zer
 VARIANTS = _T + "test_surface.py::test_config_variants_match_a_single_process"
 PIPELINE_VARIANTS = _T + "test_surface.py::test_pipeline_options_match_a_single_process"
 CHECKPOINT = _T + "test_checkpoint.py::test_round_trips_at_every_zero_stage_and_into_fsdp2_and_a_plain_module"
+CHECKPOINT_V2 = _T + "test_checkpoint.py::test_async_save_manager_partial_loads_failures_and_export_of_an_engine"
 
 # The reasons (what is wrong, and what to do instead).
 UNTESTED = ("not tested by polyparallel against a single-process run; leave it out, or call deepspeed.initialize "
@@ -77,6 +78,8 @@ _METHODS = [
     *_works("method", _T + "test_surface.py::test_deepspeeds_own_checkpoints_round_trip",
             "save_checkpoint", "load_checkpoint"),
     Entry("strategy.save / strategy.load (model=engine)", "method", WORKS, CHECKPOINT),
+    *_works("method", CHECKPOINT_V2, "strategy.async_save (model=engine)", "pp.CheckpointManager (model=engine)",
+            "strategy.load (model=engine, keys= / strict=False)", "polyparallel checkpoint export"),
 ]
 
 _CONFIG = [

@@ -7,7 +7,14 @@ processes, few launches (DeepSpeed's first initialize in a process costs seconds
 - ZeRO-3 at data=2 -> FSDP2 (torch runtime, zero=3) at data=4 -> a plain module in this process:
   parameters and optimizer state to 1e-6; the plain loop resumes the DeepSpeed run.
 - pipeline=2 x data=2 (ZeRO-1) -> a plain nn.Sequential, and back into a fresh pipeline engine.
+- The format's version 2 at ZeRO-3 data=2: async_save (the engine trains on while the files are
+  written; what loads is the state at the call), CheckpointManager(keep=2, asynchronous), partial
+  loads (keys=, strict=False into an engine with another head), a full disk on one rank (the same
+  CheckpointError everywhere, no staging directory left), the marker (SHA-256 of every file, the
+  save id, the tensors listed) and `checkpoint export` of the written checkpoint.
 """
+
+import os
 
 import pytest
 
@@ -28,9 +35,9 @@ ZERO = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64, "allg
         "stage3_prefetch_bucket_size": 64}
 
 
-def _model(seed=0):
+def _model(seed=0, classes=3):
     torch.manual_seed(seed)  # odd sizes: ZeRO pads the last partition
-    return nn.Sequential(nn.Linear(6, 15), nn.ReLU(), nn.Linear(15, 7), nn.ReLU(), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(6, 15), nn.ReLU(), nn.Linear(15, 7), nn.ReLU(), nn.Linear(7, classes))
 
 
 def _dataset():
@@ -46,8 +53,8 @@ def _loss(out, y):
     return nn.functional.cross_entropy(out, y)
 
 
-def _engine(strategy, seed=0, **config):
-    model = _model(seed)
+def _engine(strategy, seed=0, classes=3, **config):
+    model = _model(seed, classes)
     return strategy.adapt("deepspeed", model=model, optimizer=_optimizer(model),
                           config={"zero_optimization": ZERO, **config})
 
@@ -66,6 +73,13 @@ def _state(engine):
     converted = engine_state(engine, with_optimizer=True)
     return {"model": dict(converted.model), "optim": {k: v for k, v in converted.optim.items()
                                                      if isinstance(v, torch.Tensor)}}
+
+
+def _weights(engine):
+    """The engine's full parameters and buffers (gathered on every rank), without its optimizer."""
+    from polyparallel_deepspeed.checkpoint import engine_state
+
+    return dict(engine_state(engine, with_optimizer=False).model)
 
 
 def _max_diff(a, b):
@@ -255,3 +269,141 @@ def test_a_pipeline_checkpoint_loads_into_a_plain_sequential(tmp_path):
     _, _, plain, _ = _plain(str(tmp_path / "pipe"))
     assert _max_diff(whole["model"], plain["model"]) == 0.0
     assert _max_diff(whole["optim"], plain["optim"]) == 0.0
+
+
+# -- the format's version 2: async_save, CheckpointManager, partial loads, failures, export ---------------------
+def _version2(strategy, root):
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    s = strategy.replace(zero=3)
+    engine, loader = _engine(s), s.shard_data(_dataset(), shuffle=True)
+    batches = iter(loader)
+    _train(engine, batches, 2)
+    saved = _state(engine)
+    future = s.async_save(f"{root}/async", model=engine, optimizer=engine.optimizer, loader=loader, note="async")
+    _train(engine, batches, 1)  # the engine trains on while the files are written
+    out = {"future": type(future).__name__, "async": future.result(),
+           "changed": _max_diff(saved["model"], _state(engine)["model"])}
+    fresh = _engine(s, seed=1)
+    progress = s.load(f"{root}/async", model=fresh, optimizer=fresh.optimizer)
+    loaded = _state(fresh)
+    out["async loaded"] = (_max_diff(saved["model"], loaded["model"]), _max_diff(saved["optim"], loaded["optim"]))
+    out["async progress"] = {k: progress[k] for k in ("step", "note")}
+    out["saved"] = saved
+    # CheckpointManager: asynchronous saves, the two newest kept, the newest restored.
+    manager = pp.CheckpointManager(s, f"{root}/managed", keep=2, asynchronous=True)
+    for step in (4, 5, 6):
+        _train(engine, batches, 1)
+        last = _state(engine)
+        manager.save(step, model=engine, optimizer=engine.optimizer, loader=loader)
+    manager.wait()
+    restored, restored_loader = _engine(s, seed=2), s.shard_data(_dataset(), shuffle=True)
+    progress = manager.restore(model=restored, optimizer=restored.optimizer, loader=restored_loader)
+    got = _state(restored)
+    out["manager"] = {"kept": [os.path.basename(p) for p in manager.checkpoints()], "step": progress["step"],
+                      "diff": (_max_diff(last["model"], got["model"]), _max_diff(last["optim"], got["optim"])),
+                      "steps": restored.global_steps}
+    # Partial loads: the first layer only; every layer but another head (strict=False); no optimizer.
+    partial = _engine(s, seed=3)
+    before = _weights(partial)
+    result = s.load(f"{root}/async", model=partial, keys=["0.*"])
+    after = _weights(partial)
+    out["keys"] = {"report": result["load_report"], "steps": partial.global_steps,
+                   "extra": result["deepspeed"]["global_steps"],
+                   "selected": max(_max_diff({k: saved["model"][k]}, {k: after[k]}) for k in ("0.weight", "0.bias")),
+                   "others": max(_max_diff({k: before[k]}, {k: after[k]}) for k in after if not k.startswith("0."))}
+    head = _engine(s, seed=4, classes=4)
+    head_before = _weights(head)
+    report = s.load(f"{root}/async", model=head, strict=False)["load_report"]
+    head_after = _weights(head)
+    out["strict=False"] = {"report": report,
+                           "loaded": max(_max_diff({k: saved["model"][k]}, {k: head_after[k]}) for k in report["loaded"]),
+                           "head": _max_diff({k: head_before[k] for k in ("4.weight", "4.bias")},
+                                             {k: head_after[k] for k in ("4.weight", "4.bias")})}
+    stepped = _engine(s, seed=5)
+    out["partial with optimizer"] = _refused(lambda: s.load(f"{root}/async", model=stepped, optimizer=stepped.optimizer,
+                                                            keys=["0.*"]))
+    out["partial optimizer state"] = len(stepped.basic_optimizer.state)  # no state was created by the refusal
+    # A full disk on rank 1 (its JSON rank file cannot be written): the same error on every rank, sync and async.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+    out["disk"] = {}
+    for case in ("save", "async_save"):
+        if dist.get_rank() == 1:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+        try:
+            getattr(s, case)(f"{root}/full-{case}", model=engine, optimizer=engine.optimizer)
+            message = "saved"
+        except pp.CheckpointError as exc:
+            message = str(exc)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        dist.barrier()
+        out["disk"][case] = [message, sorted(n for n in os.listdir(root) if n.startswith("full-"))]
+        dist.barrier()
+    out["after disk"] = s.save(f"{root}/after-full", model=engine)
+    return out
+
+
+def _export(*args):
+    from click.testing import CliRunner
+
+    from polyparallel import cli as cli_module
+
+    return CliRunner().invoke(cli_module.cli, ["checkpoint", "export", *args], prog_name="polyparallel")
+
+
+@pytest.mark.timeout(600)
+def test_async_save_manager_partial_loads_failures_and_export_of_an_engine(tmp_path):
+    from polyparallel import _checkpoints
+
+    strategy = pp.Strategy(data=2, batch_size=GLOBAL_BATCH, timeout=90)
+    results = pp.launch(_version2, strategy, nprocs=2, args=(strategy, str(tmp_path)), runtime="deepspeed",
+                        timeout=500)
+    path = str(tmp_path / "async")
+    for r in results:
+        assert r["future"] == "CheckpointFuture", r["future"]  # the torch runtime's: written in the background
+        assert r["async"] == path and r["changed"] > 0  # the engine moved on while its state was written
+        print(f"async_save of ZeRO-3 data=2 -> fresh engine: max abs diff params/optimizer {r['async loaded']}")
+        assert r["async loaded"] == (0.0, 0.0) and r["async progress"] == {"step": 2, "note": "async"}
+        m = r["manager"]
+        assert m["kept"] == ["step-00000005", "step-00000006"] and m["step"] == 6, m
+        assert m["diff"] == (0.0, 0.0) and m["steps"] == 6, m
+        k = r["keys"]
+        assert k["report"]["loaded"] == ["0.bias", "0.weight"] and "2.weight" in k["report"]["excluded"], k["report"]
+        assert k["selected"] == 0.0 and k["others"] == 0.0, k  # the rest keeps the engine's own values
+        assert k["steps"] == 0 and k["extra"] == 2  # counters not applied, returned as the extra
+        f = r["strict=False"]
+        assert set(f["report"]["mismatched"]) == {"4.weight", "4.bias"}, f["report"]
+        assert f["report"]["mismatched"]["4.weight"] == {"checkpoint": [3, 7], "model": [4, 7]}
+        assert len(f["report"]["loaded"]) == 4 and f["loaded"] == 0.0 and f["head"] == 0.0, f
+        assert "partial load" in r["partial with optimizer"] and "optimizer" in r["partial with optimizer"]
+        assert r["partial optimizer state"] == 0
+        for case in ("save", "async_save"):
+            message, listing = r["disk"][case]
+            assert str(tmp_path / f"full-{case}") in message and "rank 1" in message, message
+            assert "File too large" in message and "/ranks/rank-00001.json" in message, message
+            assert listing == [], f"{case}: a staging directory stays behind: {listing}"
+        assert r["after disk"] == str(tmp_path / "after-full")
+    assert results[0]["disk"] == results[1]["disk"]  # the same error on every rank
+    # The marker: every file's SHA-256 (verified), the save id in every rank file, the tensors listed.
+    meta = _checkpoints.read_marker(path)
+    assert meta["version"] == 2 and meta["framework"] == "deepspeed" and meta["id"]
+    assert set(meta["sha256"]) == set(meta["files"]) and len(meta["files"]) >= 4, meta["files"]
+    _checkpoints.verify_files(path, meta)
+    saved = results[0]["saved"]
+    arrays = {a["name"]: a["shape"] for a in meta["arrays"]}
+    assert {k: arrays[f"model.{k}"] for k in saved["model"]} == {k: list(v.shape) for k, v in saved["model"].items()}
+    assert {f"optim.{k}" for k in saved["optim"]} <= set(arrays)
+    # export: one file torch.load(weights_only=True) reads; a plain module takes its weights.
+    result = _export(path, "--to", "torch")
+    assert result.exit_code == 0, result.output
+    exported = torch.load(path + ".pt", weights_only=True)
+    module = _model(seed=6)
+    module.load_state_dict(exported["model"])
+    assert _max_diff(saved["model"], module.state_dict()) == 0.0
+    assert _max_diff(saved["optim"], {k: v for k, v in exported["optimizer"].items() if isinstance(v, torch.Tensor)}) == 0.0
+    assert exported["polyparallel"]["framework"] == "deepspeed" and exported["extras"]["deepspeed"]["global_steps"] == 2

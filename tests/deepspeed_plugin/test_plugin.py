@@ -49,6 +49,22 @@ def test_hooks_leave_other_objects_to_other_plugins():
     assert polyparallel_sync_states(pp.Strategy(data=1), session, module) is None
 
 
+def test_the_core_routes_only_torch_sessions_to_it_and_its_checkpoint_hooks_take_options():
+    """No session.runtime guard in the hooks: the core asks this plugin on torch sessions only (its
+    adapter's runtime); the checkpoint hooks declare options (async saves, partial loads), so the
+    core passes them instead of saving synchronously or loading whole."""
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    from polyparallel_deepspeed import plugin
+
+    assert pp.get_plugin_manager().served_runtimes()["deepspeed"] == frozenset({"torch"})
+    for hook in (plugin.polyparallel_save_checkpoint, plugin.polyparallel_load_checkpoint):
+        params = inspect.signature(hook).parameters
+        assert "options" in params and "session" not in params, (hook.__name__, list(params))
+    assert "session.runtime" not in inspect.getsource(plugin)
+
+
 def test_without_deepspeed_adapt_says_what_to_install(monkeypatch):
     """The plugin loads without DeepSpeed (the entry point is the core's); adapt() then names the
     extra to install instead of failing inside an import."""
