@@ -256,8 +256,8 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.save(optimizer=) needs model= too: the optimizer's state is saved per parameter name.")
+    has_optim = _has_optim(model, optimizers)  # first: a StateDicts takes no optimizer=
     _check_optimizer_of_model("Strategy.save", module, optimizers)
-    has_optim = _has_optim(model, optimizers)
     try:
         extras, extra_tensors = _checkpoints.split(state, lambda v: isinstance(v, torch.Tensor), "extras")
     except TypeError as exc:

@@ -175,8 +175,8 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.load(optimizer=) needs model= too: the optimizer's state is keyed by parameter name.")
+    has_optim = _has_optim(model, optimizers)  # first: a StateDicts takes no optimizer=
     _check_optimizer_of_model("Strategy.load", module, optimizers)
-    has_optim = _has_optim(model, optimizers)
     strict, keys = _partial_options(options or {}, has_optim, loader, module)
     partial = not strict or keys is not None
     meta = _checkpoints.read_marker(path)
