@@ -9,12 +9,29 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _routing, _trace
-from ._errors import NoPluginError, TopologyError, exception_summary
+from ._errors import NoPluginError, TopologyError, UnsupportedTopologyError, exception_summary
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
 
 __all__ = ["launch"]
+
+
+def _adapters_running(pm: Any, runtime: str, topology: Any, strategy: Strategy) -> list[str]:
+    """The installed adapters on ``runtime`` whose declared capabilities admit ``topology`` with
+    ``strategy``'s sharding stage, precision and accumulation (what ``launch(runtime=<adapter>)``
+    would check)."""
+    names = []
+    for name, adapter in sorted(pm.adapters().items()):
+        caps = adapter.capabilities
+        if caps is None or (caps.runtimes and runtime not in caps.runtimes):
+            continue
+        try:
+            caps.check(topology, strategy.shard_policy.stage, strategy.precision, strategy.accumulate)
+        except UnsupportedTopologyError:
+            continue
+        names.append(name)
+    return names
 
 
 def launch(
@@ -100,12 +117,28 @@ def launch(
     if among is not None and strategy.runtime is None and chosen != pm.resolve_runtime(strategy):
         strategy = strategy.replace(runtime=chosen)
     # The sharding stage is checked against whoever shards: the adapter named (checked above: it
-    # may shard by itself, as DeepSpeed does), else the runtime.
+    # may shard by itself, as DeepSpeed does), else the runtime; a refusal names the installed
+    # adapters that would run it on this runtime (launch cannot see what fn will call).
     adapter_named = runtime is not None and runtime not in pm.runtimes()
     # Precision likewise: an adapter named maps it to its framework's mechanism (checked above).
-    # Accumulation always: the micro-batches come from the runtime's shard_data.
-    pm.runtimes()[chosen].check(topology, 0 if adapter_named else strategy.shard_policy.stage,
-                                None if adapter_named else strategy.precision, strategy.accumulate)
+    # Accumulation always: the micro-batches come from the runtime's shard_data. Both are checked
+    # first, so the adapters named below are only ever suggested for the topology and stage.
+    caps = pm.runtimes()[chosen]
+    if not adapter_named and strategy.precision is not None:
+        caps.check_precision(strategy.precision)
+    caps.check_accumulation(strategy.accumulate)
+    try:
+        caps.check(topology, 0 if adapter_named else strategy.shard_policy.stage)
+    except UnsupportedTopologyError as exc:
+        if adapter_named:
+            raise
+        runs = _adapters_running(pm, chosen, topology, strategy)
+        if not runs:
+            raise
+        raise UnsupportedTopologyError(
+            f"{exc} The installed adapter{'s' if len(runs) > 1 else ''} {', '.join(map(repr, runs))} run{'' if len(runs) > 1 else 's'} "
+            f"it on the {chosen!r} runtime, sharding by itself: if fn uses it, name it, "
+            f"pp.launch(fn, strategy, runtime={runs[0]!r}), and its capabilities are checked instead.") from None
     if trace_dir is not None and _trace.FEATURE not in pm.runtimes()[chosen].features:
         raise TypeError(f"launch(trace_dir={trace_dir!r}): the {chosen!r} runtime does not record its collectives "
                         f"(its capabilities lack the {_trace.FEATURE!r} feature), so no trace would be written. "

@@ -4,9 +4,11 @@ It returns what ``deepspeed.initialize`` returns first: the engine. In order, on
 
 1. **Refuse before anything starts** (no process group, no collective): pipeline > 1 with ZeRO
    2/3 (DeepSpeed's own reason), a config that contradicts the Strategy (ZeRO stage, batch sizes:
-   the error names both), a model that does not fit the topology, a launcher that did not set
-   ``LOCAL_RANK``, and a machine where DeepSpeed would need to compile its CPU communication op
-   without a C++ compiler (below).
+   the error names both), a config key or option the declared surface refuses (:mod:`.surface`),
+   an optimizer (or LR scheduler) given both in the config and as an argument (DeepSpeed would
+   silently use the argument), at ZeRO-3 a parameter dtype ZeRO-3 cannot hold (below), a model
+   that does not fit the topology, a launcher that did not set ``LOCAL_RANK``, and a machine
+   where DeepSpeed would need to compile its CPU communication op without a C++ compiler (below).
 2. **The Strategy's process groups**: the torch runtime's default group and DeviceMesh, made with
    the Strategy's timeout; an :class:`~polyparallel_deepspeed.mpu.TopologyMpu` hands DeepSpeed
    the data group and a one-rank model-parallel group.
@@ -17,6 +19,12 @@ It returns what ``deepspeed.initialize`` returns first: the engine. In order, on
    the adapter checks they hold the ranks of the Strategy's groups. ``dynamic_shape=True``, so
    evaluation batches of any size (an uneven shard's short last batch) run.
 4. ``deepspeed.initialize(model, optimizer, config=build_config(...), mpu=...)``.
+
+**Parameter dtypes at ZeRO-3.** DeepSpeed converts the module with ``zero.Init(dtype=<the first
+parameter's dtype>)``, which asserts the dtype is float32, float16 or bfloat16; given no dtype it
+would infer float16 wherever the accelerator reports fp16 support (a CPU with AVX512-FP16/AMX
+does), so whether a model runs would depend on the machine. The adapter refuses any other
+floating dtype (float64) at ZeRO-3 before anything starts, naming it, on every machine alike.
 
 **The CPU communication op.** DeepSpeed's torch backend loads a shared-memory op
 (``deepspeed_shm_comm``) when it first wraps the process group, compiling it with the C++
@@ -86,8 +94,33 @@ def _check_model(model: Any, pipeline: int) -> None:
                                f"{len(layers)}.")
 
 
+#: What DeepSpeed's ZeRO-3 (``zero.Init``) holds.
+ZERO3_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_dtypes(model: Any, stage: int) -> None:
+    if stage != 3:
+        return
+    named = model.named_parameters() if isinstance(model, nn.Module) else (
+        (f"{i}.{n}", p) for i, layer in enumerate(model) if isinstance(layer, nn.Module) for n, p in layer.named_parameters())
+    for name, param in named:
+        if param.is_floating_point() and param.dtype not in ZERO3_DTYPES:
+            raise TypeError(f"ZeRO-3 holds parameters of dtype {', '.join(map(str, ZERO3_DTYPES))} (DeepSpeed's zero.Init "
+                            f"asserts it); the model's {name!r} is {param.dtype}. Convert the model (model.float()), or "
+                            "use Strategy(zero=0, 1 or 2).")
+
+
+def _check_both(optimizer: Any, lr_scheduler: Any, ds_config: dict[str, Any]) -> None:
+    # DeepSpeed prefers the argument silently (engine._configure_optimizer / _configure_lr_scheduler).
+    for name, given, key in (("optimizer", optimizer, "optimizer"), ("lr_scheduler", lr_scheduler, "scheduler")):
+        if given is not None and key in ds_config:
+            raise TypeError(f"adapt('deepspeed') got an {name} twice: {name}={type(given).__name__} and the config's "
+                            f"{key!r} entry {ds_config[key]!r}; DeepSpeed would silently use the argument. Give one of "
+                            "them.")
+
+
 def _pipeline_module(model: Any, session: pp.Session, loss_fn: Callable[..., torch.Tensor] | None,
-                     partition_method: str) -> Any:
+                     partition_method: str, options: dict[str, Any]) -> Any:
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import ProcessTopology
 
@@ -95,7 +128,7 @@ def _pipeline_module(model: Any, session: pp.Session, loss_fn: Callable[..., tor
     # Axes in the Strategy's nesting order (pipeline outermost): the same rank -> coords map.
     grid = ProcessTopology(axes=["pipe", "data"], dims=[topology.size("pipeline"), topology.size("data")])
     module = PipelineModule(layers=list(model), topology=grid, loss_fn=loss_fn, partition_method=partition_method,
-                            dynamic_shape=True)
+                            dynamic_shape=True, **options)
     made = (sorted(module._grid.dp_group), sorted(module._grid.pp_group))
     wanted = (topology.group_of(session.rank, "data"), topology.group_of(session.rank, "pipeline"))
     if made != wanted:  # a DeepSpeed release with another layout: refuse rather than mix replicas
@@ -123,7 +156,8 @@ def _keep_stage_params(optimizer: torch.optim.Optimizer, stage: nn.Module) -> No
 def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, config: dict[str, Any] | None = None,
                *, loss_fn: Callable[..., torch.Tensor] | None = None, partition_method: str = "parameters",
                micro_batch_size: int | None = None, accumulation: int | None = None,
-               model_parameters: Any = None, lr_scheduler: Any = None, **initialize_kwargs: Any) -> Any:
+               model_parameters: Any = None, lr_scheduler: Any = None,
+               pipeline_options: dict[str, Any] | None = None, **initialize_kwargs: Any) -> Any:
     """``deepspeed.initialize`` driven by ``strategy``; returns the engine (``DeepSpeedEngine``,
     or ``PipelineEngine`` when ``pipeline > 1``). Called as ``strategy.adapt("deepspeed", ...)``.
 
@@ -139,6 +173,9 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     :param loss_fn: the pipeline's loss, ``loss_fn(outputs, labels)`` (required with ``pipeline > 1``).
     :param micro_batch_size, accumulation: ``train_micro_batch_size_per_gpu`` and
         ``gradient_accumulation_steps`` (or set them in ``config``).
+    :param pipeline_options: further ``PipelineModule`` arguments with ``pipeline > 1``
+        (``activation_checkpoint_interval``, ...); those the adapter sets, and those the surface
+        refuses, are refused.
     :param initialize_kwargs: passed to ``deepspeed.initialize`` (``training_data``, ``collate_fn``, ...).
     """
     if model is None:
@@ -154,7 +191,18 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     ds_config = build_config(strategy, config, data_size=topology.size("data"),
                              torch_optimizer=isinstance(optimizer, torch.optim.Optimizer),
                              micro_batch_size=micro_batch_size, accumulation=accumulation)
+    _check_both(optimizer, lr_scheduler, ds_config)
     _check_model(model, pipeline)
+    _check_dtypes(model, strategy.shard_policy.stage)
+    if pipeline_options is not None:
+        from .surface import pipeline_refusal
+
+        if pipeline == 1:
+            raise TypeError(f"adapt('deepspeed', pipeline_options=) builds a PipelineModule, which needs pipeline > 1; "
+                            f"the Strategy has pipeline={pipeline}. Drop pipeline_options=.")
+        why = pipeline_refusal(pipeline_options)
+        if why is not None:
+            raise TypeError(f"adapt('deepspeed', pipeline_options=): {why}.")
     if pipeline != 1 and loss_fn is None:
         raise TypeError(f"With pipeline={pipeline}, adapt('deepspeed') needs loss_fn= (loss_fn(outputs, labels), "
                         "computed on the last stage).")
@@ -177,7 +225,7 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
         deepspeed.comm.init_distributed(dist_backend=runtime.backend, dist_init_required=False, verbose=False)
         mpu = None if pipeline != 1 else _mpu(runtime)
     if pipeline != 1:
-        model = _pipeline_module(model, session, loss_fn, partition_method)
+        model = _pipeline_module(model, session, loss_fn, partition_method, dict(pipeline_options or {}))
         if isinstance(optimizer, torch.optim.Optimizer):
             _keep_stage_params(optimizer, model)
     if model_parameters is None and optimizer is None and "optimizer" in ds_config:

@@ -25,6 +25,11 @@ Defaults that make DeepSpeed behave as plain PyTorch does unless the user asks o
   (with or without ``torch_adam``) silently runs AdamW (decoupled weight decay) unless
   ``adam_w_mode`` is set, where PyTorch's ``Adam`` adds weight decay to the gradient. Set
   ``adam_w_mode: true`` (or ``"type": "AdamW"``) to get AdamW.
+
+Refused (:class:`UnsupportedConfigError`, naming the key and why): every key and ZeRO option the
+declared surface (:mod:`.surface`, ``docs/surface/deepspeed.md``) classifies as refused, and keys
+DeepSpeed does not read at all (a misspelt key DeepSpeed would ignore silently). A section given
+as ``{"enabled": false}`` is off and accepted.
 """
 
 from __future__ import annotations
@@ -37,7 +42,12 @@ import polyparallel as pp
 
 from .capabilities import CAPABILITIES, PIPELINE_ZERO_REASON
 
-__all__ = ["PIPELINE_ZERO_REASON", "build_config", "check_strategy"]
+__all__ = ["PIPELINE_ZERO_REASON", "UnsupportedConfigError", "build_config", "check_strategy"]
+
+
+class UnsupportedConfigError(pp.PolyparallelError, ValueError):
+    """A DeepSpeed config key or option the adapter refuses (see ``docs/surface/deepspeed.md``),
+    refused before any process group or collective."""
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -119,6 +129,7 @@ def build_config(strategy: pp.Strategy, config: Mapping[str, Any] | None = None,
     :raises polyparallel.TopologyError: a user value contradicts the Strategy (named both), or the
         batch sizes do not fit together.
     :raises polyparallel.UnsupportedTopologyError: pipeline > 1 with ZeRO 2/3.
+    :raises UnsupportedConfigError: a key or ZeRO option the surface refuses, or one DeepSpeed does not read.
     """
     if config is None:
         config = {}
@@ -126,6 +137,11 @@ def build_config(strategy: pp.Strategy, config: Mapping[str, Any] | None = None,
         raise TypeError(f"adapt('deepspeed', config=) must be a dict of DeepSpeed options (a path is not read here: "
                         f"json.load it first). Received: {type(config).__name__}.")
     check_strategy(strategy)
+    from .surface import refusal  # here: `python -m polyparallel_deepspeed.surface` runs it as __main__
+
+    why = refusal(config)
+    if why is not None:
+        raise UnsupportedConfigError(f"adapt('deepspeed', config=): {why}.")
     out: dict[str, Any] = copy.deepcopy(dict(config))
     stage = strategy.shard_policy.stage
     zero = out.get("zero_optimization") or {}

@@ -65,6 +65,46 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
     return states
 
 
+def _engine_or_refuse(model: Any, operation: str) -> bool:
+    """Whether this plugin answers for ``model`` (a DeepSpeed engine; the core asks this plugin on
+    torch sessions only, the runtime its adapter declares); a ZeRO-3 ``engine.module`` is refused,
+    its tensors being placeholders without the engine."""
+    if "deepspeed" not in sys.modules:
+        return False
+    if is_engine(model):
+        return True
+    from .checkpoint import is_partitioned_module
+
+    if is_partitioned_module(model):
+        raise pp.CheckpointError(f"Strategy.{operation}(model=) got a module whose parameters ZeRO-3 partitioned (the "
+                                 "engine's module): its tensors are placeholders. Pass the engine itself: "
+                                 f"strategy.{operation}(path, model=engine, optimizer=engine.optimizer).")
+    return False
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_save_checkpoint(strategy: pp.Strategy, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> Any:
+    # A DeepSpeed engine is saved in the torch runtime's format (see polyparallel_deepspeed.checkpoint),
+    # asynchronously too (options={"asynchronous": True}: Strategy.async_save).
+    if not _engine_or_refuse(state.get("model"), "save"):
+        return None
+    from .checkpoint import save
+
+    return save(strategy, path, state, options)
+
+
+@hookimpl(tryfirst=True)
+def polyparallel_load_checkpoint(strategy: pp.Strategy, path: str, state: dict[str, Any],
+                                 options: dict[str, Any]) -> dict[str, Any] | None:
+    # options: a partial load of the engine's weights (strict=False / keys=), or empty.
+    if not _engine_or_refuse(state.get("model"), "load"):
+        return None
+    from .checkpoint import load
+
+    return load(strategy, path, state, options)
+
+
 @hookimpl
 def polyparallel_adapter_bridge(adapter: str, obj: Any) -> Any:
     # The Ignite adapter's create_supervised_trainer/evaluator handed an engine: ignite engines

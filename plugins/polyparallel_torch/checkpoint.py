@@ -27,11 +27,17 @@ reshards. The state is taken and put back with ``torch.distributed.checkpoint.st
 ``set_state_dict`` (the optimizer's flattened, per parameter name), so keys are the unwrapped
 module's (no ``module.`` prefix from DDP; a pipeline stage keeps the unsplit model's names).
 An optimizer must be built on the model's own parameters (checked on save and load).
+
+A plugin whose objects the torch runtime cannot read (DeepSpeed's engine) converts them itself
+and passes a :class:`StateDicts` as ``model=`` to :func:`save` / :func:`load`: the same files,
+hashes, save id, agreements, failures, commit, asynchronous save and partial loads, without
+``get_state_dict`` / ``set_state_dict``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import warnings
@@ -48,7 +54,7 @@ from polyparallel._errors import exception_summary
 from .checkpoint_files import hashing_writer, write_rank_file
 from .runtime import get_runtime
 
-__all__ = ["load", "load_checkpoint", "next_save_id", "save", "save_checkpoint"]
+__all__ = ["StateDicts", "load", "load_checkpoint", "next_save_id", "save", "save_checkpoint"]
 
 _TOKEN = "polyparallel_torch.checkpoint.token"
 _COUNT = "polyparallel_torch.checkpoint.count"
@@ -62,11 +68,41 @@ def _options() -> Any:
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+@dataclasses.dataclass
+class StateDicts:
+    """A model (and optimizer) state already converted to this format, given as ``model=`` to
+    :func:`save` / :func:`load` by a plugin whose objects the torch runtime cannot read itself
+    (DeepSpeed's engine: ``polyparallel_deepspeed.checkpoint``). Everything else is the same:
+    files hashed while written, save id, agreements, failures, commit, ``async_save``, checks,
+    resharding and partial loads.
+
+    :param model: a plain module's ``state_dict()`` (parameter and buffer name -> tensor, no
+        wrapper prefix; full tensors or DTensors). For :func:`load`, tensors of the shapes and
+        dtypes to read into (filled in place). For an asynchronous save, tensors the caller no
+        longer changes (copies): DCP stages them while the training goes on.
+    :param optim: ``None`` (no optimizer), or the flattened optimizer state dict that
+        ``get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True))`` gives:
+        ``state.<name>.<key>`` tensors and ``param_groups.<name>.<hyperparameter>`` values. For
+        :func:`load`, the state to read into (its tensors filled in place, its values replaced).
+    :param pipeline: this rank holds one pipeline stage's keys; the whole model's are gathered
+        over the pipeline group, as for a ``PipelineModel``.
+    :ivar loaded: after :func:`load`, the keys of ``model`` that were read (all of them, or
+        those of a partial load's ``load_report``); the caller applies those only.
+    """
+
+    model: dict[str, Any]
+    optim: dict[str, Any] | None = None
+    pipeline: bool = False
+    loaded: list[str] | None = None
+
+
 def _module(model: Any) -> nn.Module:
     from .pipeline import PipelineModel
 
     if isinstance(model, PipelineModel):
         return model.stage  # this rank's stage, under the unsplit model's names
+    if isinstance(model, StateDicts):
+        return nn.Module()  # holds nothing: its state comes converted, in StateDicts.model
     if not isinstance(model, nn.Module):
         raise pp.CheckpointError(f"model= must be an nn.Module (the one strategy.wrap_model returned). Received: {model!r}.")
     return model
@@ -84,6 +120,24 @@ def _optimizers(optimizer: Any) -> tuple[torch.optim.Optimizer, ...]:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise pp.CheckpointError(f"optimizer= must be a torch.optim.Optimizer or None. Received: {optimizer!r}.")
     return (optimizer,)
+
+
+def _has_optim(model: Any, optimizers: tuple[torch.optim.Optimizer, ...]) -> bool:
+    """Whether an optimizer's state is saved or loaded: ``optimizer=``'s, or a :class:`StateDicts`' own."""
+    if not isinstance(model, StateDicts):
+        return bool(optimizers)
+    if optimizers:
+        raise pp.CheckpointError("model=StateDicts(...) carries its optimizer's state itself (optim=); pass no optimizer=.")
+    return model.optim is not None
+
+
+def _state_dicts(model: Any, module: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...]) -> tuple[dict, dict]:
+    """``get_state_dict`` of the model and optimizers, or a :class:`StateDicts`' own dicts."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if isinstance(model, StateDicts):
+        return model.model, model.optim or {}
+    return get_state_dict(module, optimizers, options=_options())
 
 
 def _loader(loader: Any) -> Any:
@@ -120,7 +174,8 @@ def _all_stages(strategy: pp.Strategy, model: Any, entries: dict[str, Any], oper
     every rank). Any other model: ``entries`` as they are (no collective)."""
     from .pipeline import PipelineModel
 
-    if not isinstance(model, PipelineModel) or model.num_stages == 1:
+    staged = model.pipeline if isinstance(model, StateDicts) else isinstance(model, PipelineModel) and model.num_stages > 1
+    if not staged:
         return entries
     merged: dict[str, Any] = {}
     for part in get_runtime(strategy.session()).all_gather_object(entries, f"{operation} (stage keys)", "pipeline"):
@@ -187,7 +242,6 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     with ``options={"asynchronous": True}`` (``Strategy.async_save``) a
     :class:`~.checkpoint_async.CheckpointFuture` once the tensors are staged."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from . import checkpoint_async
     from .checkpoint_commit import Channel, agree, commit, dcp_failures, fail
@@ -202,6 +256,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.save(optimizer=) needs model= too: the optimizer's state is saved per parameter name.")
+    has_optim = _has_optim(model, optimizers)  # first: a StateDicts takes no optimizer=
     _check_optimizer_of_model("Strategy.save", module, optimizers)
     try:
         extras, extra_tensors = _checkpoints.split(state, lambda v: isinstance(v, torch.Tensor), "extras")
@@ -211,10 +266,10 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     values: dict[str, Any] = {}
     model_keys: list[str] = []
     if module is not None:
-        model_state, optim_state = get_state_dict(module, optimizers, options=_options())
+        model_state, optim_state = _state_dicts(model, module, optimizers)
         part, values["model"] = _split("model", model_state)
         tensors.update(part)
-        if optimizers:
+        if has_optim:
             part, values["optim"] = _split("optim", optim_state)
             tensors.update(part)
         model_keys = sorted(_all_stages(strategy, model, dict.fromkeys(model_state), "save_checkpoint"))
@@ -232,7 +287,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     metadata = _checkpoints.base_metadata(strategy, session, framework, save_id)
     metadata.update(
         torch=torch.__version__, tensors="torch.distributed.checkpoint", model_keys=len(model_keys),
-        contents={"model": module is not None, "optimizer": bool(optimizers), "loader": loader is not None,
+        contents={"model": module is not None, "optimizer": has_optim, "loader": loader is not None,
                   "extras": sorted(state)},
         loader=loader_state, extras=extras,
         progress=None if loader_state is None else {"epoch": loader_state["epoch"], "step": loader_state["batches"],
@@ -249,7 +304,7 @@ def save(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
         except OSError as exc:
             problem = exception_summary(exc)
     # Rank-independent keys (a pipeline stage's own keys differ from its peers') and the save id.
-    keys = [*model_keys, *sorted(extra_tensors), f"optim={bool(optimizers)}", f"save {save_id}",
+    keys = [*model_keys, *sorted(extra_tensors), f"optim={has_optim}", f"save {save_id}",
             f"async={asynchronous}"]
     failures = agree(strategy, "save_checkpoint", path, keys, problem)
     if failures:

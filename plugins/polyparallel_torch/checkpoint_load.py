@@ -19,6 +19,10 @@ with the same shape; the others keep their values. ``Strategy.load`` then return
 ``load_report`` (``loaded``, ``missing``, ``unexpected``, ``mismatched``, ``excluded``), the same
 on every rank. An optimizer or loader is refused with it (a new head needs a fresh optimizer),
 and so is a selection that loads nothing.
+
+A :class:`.checkpoint.StateDicts` given as ``model=`` (an engine's state converted by its plugin)
+goes through every step above; its dicts are filled in place instead of ``set_state_dict``, and
+its ``loaded`` says which model keys were read (a partial load's, or all), for the caller to apply.
 """
 
 from __future__ import annotations
@@ -33,7 +37,17 @@ from torch import nn
 import polyparallel as pp
 from polyparallel import _checkpoint_files, _checkpoints
 
-from .checkpoint import _all_stages, _check_optimizer_of_model, _loader, _module, _optimizers, _options, _single
+from .checkpoint import (
+    StateDicts,
+    _all_stages,
+    _check_optimizer_of_model,
+    _has_optim,
+    _loader,
+    _module,
+    _optimizers,
+    _options,
+    _single,
+)
 from .checkpoint_files import read_dcp_metadata, read_rank_files, restore_rng, safe_reader
 from .runtime import get_runtime
 
@@ -128,7 +142,7 @@ def _select(path: str, expected: dict[str, Any], stored: dict[str, Any], strict:
             "mismatched": mismatched, "excluded": excluded}
 
 
-def _partial_options(options: dict[str, Any], optimizers: tuple, loader: Any,
+def _partial_options(options: dict[str, Any], has_optim: bool, loader: Any,
                      module: Any) -> tuple[bool, Callable[[str], bool] | None]:
     strict, keys = options.get("strict", True), _selector(options.get("keys"))
     if not isinstance(strict, bool):
@@ -137,7 +151,7 @@ def _partial_options(options: dict[str, Any], optimizers: tuple, loader: Any,
         return strict, keys
     if module is None:
         raise pp.CheckpointError("Strategy.load(strict=False / keys=) loads part of a model: pass model=.")
-    if optimizers or loader is not None:
+    if has_optim or loader is not None:
         raise pp.CheckpointError("Strategy.load(strict=False / keys=) restores model weights only: the optimizer's "
                                  "state and the loader's position belong to the whole saved model. Load without "
                                  "optimizer= and loader=, and build a fresh optimizer for the fine-tuning.")
@@ -161,8 +175,9 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.load(optimizer=) needs model= too: the optimizer's state is keyed by parameter name.")
+    has_optim = _has_optim(model, optimizers)  # first: a StateDicts takes no optimizer=
     _check_optimizer_of_model("Strategy.load", module, optimizers)
-    strict, keys = _partial_options(options or {}, optimizers, loader, module)
+    strict, keys = _partial_options(options or {}, has_optim, loader, module)
     partial = not strict or keys is not None
     meta = _checkpoints.read_marker(path)
     _checkpoints.verify_files(path, meta, hashed=())  # sizes (stat) here; contents below, shared by the ranks
@@ -186,7 +201,8 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
         stored = {k[len("model."):]: (list(v.size) if isinstance(v, TensorStorageMetadata) else None)
                   for k, v in index.items() if k.startswith("model.")}
         stored.update(dict.fromkeys(_merged(files, "model")))
-        model_state, optim_state = _state_for_load(module, optimizers)
+        model_state, optim_state = ((model.model, model.optim or {}) if isinstance(model, StateDicts)
+                                    else _state_for_load(module, optimizers))
         optim_tensors = {f"optim.{k}": v for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
         entries = {f"model.{k}": (list(v.shape) if isinstance(v, torch.Tensor) else None) for k, v in model_state.items()}
         entries.update(dict.fromkeys(optim_tensors))
@@ -204,11 +220,11 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
                 raise pp.CheckpointError(f"Strategy.load: {path!r} holds another model than {type(module).__name__}: "
                                          f"{problem}. Load it into the model it was saved from (same architecture and "
                                          "sizes; any topology), or load part of it explicitly (strict=False, keys=).")
-        if optimizers and not (meta.get("contents") or {}).get("optimizer"):
+        if has_optim and not (meta.get("contents") or {}).get("optimizer"):
             raise pp.CheckpointError(f"Strategy.load: {path!r} holds no optimizer state (it was saved without "
                                      "optimizer=); load the model only, or save with the optimizer.")
         tensors.update({f"model.{k}": v for k, v in model_state.items() if isinstance(v, torch.Tensor)})
-        if optimizers:
+        if has_optim:
             wanted = {k for k in entries if k.startswith("optim.")}
             saved = {k for k, v in index.items() if k.startswith("optim.state.") and isinstance(v, TensorStorageMetadata)}
             absent, left = sorted(wanted - set(index)), sorted(saved - wanted)
@@ -231,7 +247,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     found = _checkpoint_files.problems(path, meta, share)
     loaded_keys = sorted(expected) if report is None else report["loaded"]
     failures = agree(strategy, "load_checkpoint", path,
-                     [*loaded_keys, *sorted(extra_tensors), f"optim={bool(optimizers)}"], found[0] if found else None)
+                     [*loaded_keys, *sorted(extra_tensors), f"optim={has_optim}"], found[0] if found else None)
     if failures:
         raise pp.CheckpointError(failures[min(failures)])
     if tensors:
@@ -249,9 +265,14 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
         model_state.update({k: v for k, v in values.items() if report is None or k in report["loaded"]})
         optim_values = _merged(files, "optim")
         optim_state.update({k: optim_values[k] for k in optim_state if k in optim_values})
-        set_options = _options() if report is None else StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
-        set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=set_options)
+        if isinstance(model, StateDicts):  # filled in place (a partial load's selection too): its caller applies them
+            model.model.update(model_state)
+            model.loaded = sorted(model_state)
+        else:
+            set_options = _options() if report is None else StateDictOptions(flatten_optimizer_state_dict=True,
+                                                                              strict=False)
+            set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=set_options)
     if loader is not None:
         loader.load_state_dict(meta["loader"])
     if session.rank in files:  # a rank the writing topology did not have keeps its own RNG

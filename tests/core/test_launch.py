@@ -147,6 +147,76 @@ def test_capabilities_are_checked_without_runtime_argument(manager, launcher):
     assert launcher.calls == []
 
 
+class ShardingAdapter:
+    """An adapter that shards by itself on the serial runtime (as DeepSpeed runs ZeRO-1 under its
+    pipeline engine, which the torch runtime's own wrap_model does not)."""
+
+    @pp.hookimpl
+    def polyparallel_register_adapters(self, register):
+        register("sharder", lambda strategy, **kwargs: None,
+                 capabilities=pp.Capabilities("sharder", axes={"data"}, stages={0, 1}, runtimes={"serial"}))
+
+
+def test_a_stage_only_an_installed_adapter_runs_is_refused_naming_the_adapter(manager, launcher):
+    """launch() cannot see which adapter fn will use: without runtime= the stage is the runtime's
+    to run, and the refusal names the adapter that would run it and how to say so."""
+    manager.register(ShardingAdapter(), name="sharder")
+    strategy = Strategy(data=2, zero=1, plugin_manager=manager)
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match=r"'serial' \(plugin 'serial-runtime'\) cannot run sharding stage zero=1: .* The installed "
+                             r"adapter 'sharder' runs it on the 'serial' runtime, sharding by itself: if fn uses it, "
+                             r"name it, pp.launch\(fn, strategy, runtime='sharder'\)"):
+        pp.launch(square_plus, strategy, nprocs=2, args=(3,))
+    assert launcher.calls == []
+    assert pp.launch(square_plus, strategy, nprocs=2, args=(3,), runtime="sharder") == [9, 9]
+    # A stage no installed target runs is refused as before, naming none.
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"cannot run sharding stage zero=2: it runs stage\(s\) 0\. ") as info:
+        pp.launch(square_plus, strategy.replace(zero=2), nprocs=2, args=(3,))
+    assert "installed adapter" not in str(info.value)
+
+
+class WideRuntime:
+    @pp.hookimpl
+    def polyparallel_capabilities(self):
+        return pp.Capabilities("wide", axes={"data"}, precisions={"32", "bf16-mixed"})
+
+
+class Sharders:
+    """Two adapters sharding by themselves on the 'wide' runtime, one of them in bf16 too."""
+
+    @pp.hookimpl
+    def polyparallel_register_adapters(self, register):
+        for name, precisions in (("sharder32", {"32"}), ("sharderbf16", {"32", "bf16-mixed"})):
+            register(name, lambda strategy, **kwargs: None,
+                     capabilities=pp.Capabilities(name, axes={"data"}, stages={0, 1}, runtimes={"wide"},
+                                                  precisions=precisions))
+
+
+def test_the_adapters_named_run_the_strategys_precision_and_a_refused_precision_names_none(manager, launcher):
+    """The refusal naming adapters names only those whose capabilities admit the whole strategy
+    (what launch(runtime=<adapter>) would check); a precision or accumulation the runtime does not
+    run is refused as such, before the stage."""
+    manager.register(WideRuntime(), name="wide-runtime")
+    manager.register(Sharders(), name="sharders")
+    strategy = Strategy(data=2, zero=1, runtime="wide", plugin_manager=manager)
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match=r"The installed adapters 'sharder32', 'sharderbf16' run it on the 'wide' runtime"):
+        pp.launch(square_plus, strategy, nprocs=2, args=(3,))
+    with pytest.raises(pp.UnsupportedTopologyError,
+                       match=r"The installed adapter 'sharderbf16' runs it on the 'wide' runtime.*"
+                             r"runtime='sharderbf16'") as info:
+        pp.launch(square_plus, strategy.replace(precision="bf16-mixed"), nprocs=2, args=(3,))
+    assert "sharder32" not in str(info.value)
+    manager.register(ShardingAdapter(), name="sharder")
+    serial = Strategy(data=2, zero=1, batch_size=8, runtime="serial", plugin_manager=manager)
+    for refused, match in ((serial.replace(precision="bf16-mixed"), "cannot run precision"),
+                           (serial.replace(accumulate=2), "does not implement gradient accumulation")):
+        with pytest.raises(pp.UnsupportedTopologyError, match=match) as info:
+            pp.launch(square_plus, refused, nprocs=2, args=(3,))
+        assert "installed adapter" not in str(info.value)
+    assert launcher.calls == []
+
+
 def test_the_batch_size_is_checked_against_the_launched_data_axis(manager, launcher):
     with pytest.raises(pp.TopologyError, match=r"launch\(Strategy\(pipeline=1, data=-1, tensor=1, timeout=60, seed=0\), "
                                                r"nprocs=3\): the global batch size 8 does not divide over data=3 ranks"):

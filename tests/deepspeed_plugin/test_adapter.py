@@ -10,7 +10,10 @@ pytest.importorskip("deepspeed")
 from torch import nn  # noqa: E402
 
 import polyparallel as pp  # noqa: E402
+from polyparallel_deepspeed import UnsupportedConfigError  # noqa: E402
 from polyparallel_deepspeed.adapter import DeepSpeedSetupError  # noqa: E402
+
+ADAM = {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}
 
 # Buckets of a few KB: DeepSpeed's defaults (5e8 elements) would add fixed buffers to the state
 # the memory test compares; parameters are all partitioned at ZeRO-3 (no persistence threshold).
@@ -46,12 +49,49 @@ def _adapt(strategy, **kwargs):
      TypeError, r"With pipeline=2, adapt\('deepspeed', model=\) must be an nn.Sequential or a list of layers"),
     (pp.Strategy(data=2, pipeline=2, batch_size=8), {}, TypeError, r"With pipeline=2, adapt\('deepspeed'\) needs loss_fn="),
     (pp.Strategy(data=2, batch_size=8), {"mpu": object()}, TypeError, r"sets deepspeed.initialize's mpu= from the Strategy"),
+    # An optimizer (or scheduler) in the config and as an argument: DeepSpeed would silently take the argument.
+    (pp.Strategy(data=2, batch_size=8), {"config": {"optimizer": ADAM}}, TypeError,
+     r"got an optimizer twice: optimizer=SGD and the config's 'optimizer' entry \{'type': 'Adam'"),
+    (pp.Strategy(data=2, batch_size=8), {"lr_scheduler": object(), "config": {"scheduler": {"type": "WarmupLR"}}},
+     TypeError, r"got an lr_scheduler twice: lr_scheduler=object and the config's 'scheduler' entry"),
+    (pp.Strategy(data=2, batch_size=8), {"config": {"bf16": {"enabled": True}}}, UnsupportedConfigError,
+     r"config key 'bf16' is refused: mixed precision is not run by the adapter yet"),
+    (pp.Strategy(data=2, zero=3, batch_size=8), {"config": {"zero_optimization": {"offload_param": {"device": "cpu"}}}},
+     UnsupportedConfigError, r"zero_optimization.offload_param is refused: ZeRO-Offload is not tested here"),
+    (pp.Strategy(data=2, batch_size=8), {"config": {"gradient_cliping": 1.0}}, UnsupportedConfigError,
+     r"'gradient_cliping' is not one DeepSpeed reads \(it would be ignored silently\)"),
+    # PipelineModule's own arguments pass through pipeline_options=, except those the adapter sets.
+    (pp.Strategy(data=2, pipeline=2, batch_size=8),
+     {"loss_fn": nn.functional.cross_entropy, "pipeline_options": {"loss_fn": nn.functional.mse_loss}}, TypeError,
+     r"PipelineModule's 'loss_fn' is refused: the adapter builds it from the Strategy"),
+    (pp.Strategy(data=2, pipeline=2, batch_size=8),
+     {"loss_fn": nn.functional.cross_entropy, "pipeline_options": {"activation_interval": 1}}, TypeError,
+     r"PipelineModule takes no argument 'activation_interval'"),
+    (pp.Strategy(data=2, batch_size=8), {"pipeline_options": {"activation_checkpoint_interval": 1}}, TypeError,
+     r"builds a PipelineModule, which needs pipeline > 1; the Strategy has pipeline=1"),
 ])
 def test_bad_input_is_refused_before_any_collective(strategy, kwargs, error, message, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     model = kwargs.pop("model", None) or _model()
     with pytest.raises(error, match=message):
         strategy.adapt("deepspeed", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("fp16_supported", [True, False])
+def test_a_zero3_dtype_is_refused_alike_whatever_the_cpu_says_of_fp16(fp16_supported, monkeypatch):
+    """DeepSpeed's zero.Init infers float16 where the accelerator reports fp16 support (a CPU with
+    AVX512-FP16/AMX), so a float64 model failed inside deepspeed.initialize on such a machine and
+    ran elsewhere: refused on both, before any collective, naming the dtype."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: fp16_supported)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = _model().double()
+    with pytest.raises(TypeError, match=r"ZeRO-3 holds parameters of dtype torch.float32, torch.float16, torch.bfloat16 "
+                                        r".*the model's '0.weight' is torch.float64. Convert the model"):
+        pp.Strategy(data=2, zero=3, batch_size=8).adapt("deepspeed", model=model,
+                                                        optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     assert not torch.distributed.is_initialized()
 
 
@@ -103,6 +143,22 @@ def _engines(strategy):
                              "micro": engine.train_micro_batch_size_per_gpu(), "mpu": isinstance(engine.mpu, TopologyMpu),
                              "dp_ranks": torch.distributed.get_process_group_ranks(groups._get_data_parallel_group()),
                              "sync_grads_is_noop": strategy.sync_grads(engine) is engine}
+    # ZeRO-3 runs a float32 model whatever the accelerator says of fp16 (issue 19: on a CPU reporting
+    # fp16 support, DeepSpeed's zero.Init inferred float16 and asserted on a float64 model).
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator, out["fp16"] = get_accelerator(), {}
+    for supported in (True, False):
+        accelerator.is_fp16_supported = lambda supported=supported: supported
+        try:
+            model = _model()
+            engine = strategy.replace(zero=3).adapt("deepspeed", model=model,
+                                                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            engine.backward(engine(torch.ones(4, 256)).square().mean())
+            engine.step()
+            out["fp16"][supported] = str(next(engine.module.parameters()).dtype)
+        finally:
+            del accelerator.is_fp16_supported  # the class's method again
     # Adam from the config means torch's Adam (not AdamW); the default clip is 0.
     model = _model()
     engine = strategy.adapt("deepspeed", model=model,
@@ -132,6 +188,7 @@ def test_engines_follow_the_strategy_data2(run):
     assert info == {"zero": 3, "clip": 0.0, "steps_per_print": 1000, "batch": 8, "micro": 4, "mpu": True,
                     "dp_ranks": [0, 1], "sync_grads_is_noop": True}
     assert results[0]["adam"] == "Adam"
+    assert results[0]["fp16"] == {True: "torch.float32", False: "torch.float32"}
     _check_memory(results, 2)
 
 

@@ -1,7 +1,8 @@
 """The conformance kit for the DeepSpeed adapter: ZeRO 0-3 with data=2, and pipeline=2 x data=2
 at ZeRO 0 and 1 (where every clause applies: replicas along the pipeline, a data peer for the
 skipped collective). Training parity is checked against a single-process torch run with the same
-global batch (1e-5). Running-variance statistics are broadcast instead of averaged
+global batch (1e-5); metrics to 1e-9 (float64), at ZeRO-3 to 1e-6 (float32, the widest dtype ZeRO-3
+holds). Running-variance statistics are broadcast instead of averaged
 (``state_policy``), so that the states clause sees both actions at every stage: from ZeRO 1 on
 parameters are DeepSpeed's to keep in step (``engine_states``)."""
 
@@ -40,6 +41,7 @@ class TestDeepSpeedZero2Data2(_DeepSpeedSuite):
 
 class TestDeepSpeedZero3Data2(_DeepSpeedSuite):
     strategy = pp.Strategy(data=2, zero=3, timeout=30, state_policy=STATES)
+    metric_tolerance = 1e-6  # evaluated in float32: ZeRO-3 holds no float64 (the reference is float64)
 
 
 class TestDeepSpeedPipeline2Data2Zero0(_DeepSpeedSuite):

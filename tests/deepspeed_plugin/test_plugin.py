@@ -49,6 +49,22 @@ def test_hooks_leave_other_objects_to_other_plugins():
     assert polyparallel_sync_states(pp.Strategy(data=1), session, module) is None
 
 
+def test_the_core_routes_only_torch_sessions_to_it_and_its_checkpoint_hooks_take_options():
+    """No session.runtime guard in the hooks: the core asks this plugin on torch sessions only (its
+    adapter's runtime); the checkpoint hooks declare options (async saves, partial loads), so the
+    core passes them instead of saving synchronously or loading whole."""
+    import inspect
+
+    pytest.importorskip("deepspeed")
+    from polyparallel_deepspeed import plugin
+
+    assert pp.get_plugin_manager().served_runtimes()["deepspeed"] == frozenset({"torch"})
+    for hook in (plugin.polyparallel_save_checkpoint, plugin.polyparallel_load_checkpoint):
+        params = inspect.signature(hook).parameters
+        assert "options" in params and "session" not in params, (hook.__name__, list(params))
+    assert "session.runtime" not in inspect.getsource(plugin)
+
+
 def test_without_deepspeed_adapt_says_what_to_install(monkeypatch):
     """The plugin loads without DeepSpeed (the entry point is the core's); adapt() then names the
     extra to install instead of failing inside an import."""
@@ -61,3 +77,19 @@ def test_without_deepspeed_adapt_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
     with pytest.raises(pp.NoPluginError, match=r"needs DeepSpeed, which is not installed here: DS_BUILD_OPS=0 pip install"):
         pp.Strategy(data=2, batch_size=8).adapt("deepspeed", model=None)
+
+
+def _never_called() -> None:
+    raise AssertionError("launch started a process")
+
+
+def test_launch_without_runtime_names_the_adapter_that_runs_pipeline_zero1():
+    """pp.launch without runtime= checks the torch runtime, which runs no ZeRO-1 under a pipeline;
+    the DeepSpeed adapter does, so the refusal names it and runtime="deepspeed" (issue 19)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("deepspeed")
+    strategy = pp.Strategy(pipeline=2, data=2, zero=1, batch_size=8)
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"'torch' .*cannot run sharding stage zero=1 with pipeline=2.* "
+                                                          r"The installed adapter 'deepspeed' runs it on the 'torch' "
+                                                          r"runtime.*pp.launch\(fn, strategy, runtime='deepspeed'\)"):
+        pp.launch(_never_called, strategy, nprocs=4)

@@ -589,3 +589,57 @@ def test_a_full_disk_on_one_rank_fails_alike_everywhere_and_keeps_the_previous_c
         assert r["swapped"][0] == "CheckpointError", r["swapped"]
         assert "__1_0.distcp is not the file this checkpoint wrote" in r["swapped"][1], r["swapped"]
     assert results[0]["swapped"] == results[1]["swapped"]
+
+
+def test_state_dicts_take_the_whole_torch_path(tmp_path):
+    """StateDicts (an engine's state already converted, as the DeepSpeed plugin gives it) is saved
+    and loaded by the torch runtime's own code: the marker lists its tensors and hashes its files,
+    a plain module loads it, it is filled in place on a load (a partial one too, saying which keys),
+    and async saves work; the refusals are the torch path's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from polyparallel import _checkpoints
+    from polyparallel_torch import checkpoint as torch_checkpoint
+    from polyparallel_torch.checkpoint import StateDicts
+
+    one = pp.Strategy(data=1)
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    model_state, optim_state = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    model_state = {k: v.detach().clone() for k, v in model_state.items()}
+    path = torch_checkpoint.save(one, str(tmp_path / "sd"), {"model": StateDicts(model_state, optim_state)}, {})
+    meta = _checkpoints.read_marker(path)
+    assert set(meta["sha256"]) == set(meta["files"]) and meta["contents"]["optimizer"] is True
+    assert {a["name"] for a in meta["arrays"]} == {f"model.{k}" for k in model_state} | {
+        f"optim.{k}" for k, v in optim_state.items() if isinstance(v, torch.Tensor)}
+    # A plain module and optimizer load it as the checkpoint of a torch model.
+    fresh = _mlp(1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    one.load(path, model=fresh, optimizer=fresh_opt)
+    _assert_same(_full_optim(fresh, fresh_opt), _full_optim(model, opt), 0)
+    # Into a StateDicts: its dicts filled in place, every key said loaded.
+    target = StateDicts({k: torch.empty_like(v) for k, v in model_state.items()},
+                        {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in optim_state.items()})
+    torch_checkpoint.load(one, path, {"model": target}, {})
+    assert target.loaded == sorted(model_state)
+    for k, v in {**model_state, **optim_state}.items():
+        got = target.model[k] if k in model_state else target.optim[k]
+        assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, k
+    # A partial load fills the selected keys only and says which.
+    part = StateDicts({k: torch.zeros_like(v) for k, v in model_state.items()})
+    result = torch_checkpoint.load(one, path, {"model": part}, {"strict": True, "keys": ["0.*"]})
+    assert part.loaded == ["0.bias", "0.weight"] == result["load_report"]["loaded"]
+    assert torch.equal(part.model["0.weight"], model_state["0.weight"]) and not part.model["2.weight"].any()
+    with pytest.raises(pp.CheckpointError, match="restores model weights only"):  # with its optimizer's state
+        torch_checkpoint.load(one, path, {"model": target}, {"strict": False})
+    with pytest.raises(pp.CheckpointError, match="carries its optimizer's state itself"):
+        torch_checkpoint.save(one, str(tmp_path / "x"), {"model": target, "optimizer": fresh_opt}, {})
+    assert not os.path.exists(tmp_path / "x")
+    future = torch_checkpoint.save(one, str(tmp_path / "sd-async"), {"model": StateDicts(model_state)},
+                                   {"asynchronous": True})
+    assert future.result() == str(tmp_path / "sd-async")
+    again = _mlp(2)
+    one.load(future.result(), model=again)
+    _assert_same(dict(again.state_dict()), model_state, 0)
