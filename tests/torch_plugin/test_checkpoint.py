@@ -20,7 +20,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch import load_checkpoint, make_optimizer, save_checkpoint
-from polyparallel_torch.model import full_state
+from polyparallel_torch.tensors import full_state
 
 N, BATCH, EPOCHS = 48, 8, 2  # 6 steps an epoch
 

@@ -1,4 +1,4 @@
-"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's declaration and its hook guards.
+"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's hook guards (its declaration: test_capabilities.py).
 
 Every hook answers only when the session's runtime is torch. The world below is two processes
 without ``MASTER_ADDR``: a torch hook that answered another runtime's strategy would try to make
@@ -35,12 +35,6 @@ def pm(monkeypatch):
     manager.register(OtherRuntime(), name="other")
     yield manager
     manager.close_sessions()
-
-
-def test_the_declared_runtime():
-    caps = torch_plugin.CAPABILITIES
-    assert (caps.target, caps.imports, caps.backends) == ("torch", {"torch"}, {"gloo", "nccl"})
-    assert caps.axes == {"data", "tensor", "pipeline"} and caps.excludes == (frozenset({"tensor", "pipeline"}),)
 
 
 def test_no_torch_hook_answers_for_another_runtime(pm):
