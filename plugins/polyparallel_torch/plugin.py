@@ -142,14 +142,14 @@ def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: in
                         timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
     if runtime != RUNTIME:
         return None
-    from .launch import launch_function
+    from .launchers.multiprocess import launch_function
 
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)
 
 
 @hookimpl
 def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> int:
-    from .launch import launch_script
+    from .launchers.torchrun import launch_script
 
     return launch_script(command, options)
 

@@ -398,7 +398,7 @@ def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypa
     # addresses); this checks that the setting does not outlive `polyparallel launch`.
     from torch.distributed import run as torchrun
 
-    from polyparallel_torch.launch import launch_script
+    from polyparallel_torch.launchers.torchrun import launch_script
 
     seen = []
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)

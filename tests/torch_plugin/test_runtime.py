@@ -14,7 +14,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch.identity_checks import hash62
-from polyparallel_torch.launch import free_port
+from polyparallel_torch.launchers.base import free_port
 from polyparallel_torch.runtime import get_runtime, runtime_key
 
 
