@@ -153,7 +153,7 @@ class IgniteAdapter:
         :param model: the model returned by :meth:`auto_model` (default: the optimizer's
             parameters are synced as a list of tensors; at ``zero=2``/``3`` nothing is synced).
         """
-        from polyparallel_torch.model import is_ddp
+        from polyparallel_torch.tensors import is_ddp
 
         stage = self.strategy.shard_policy.stage
         if self.session.topology.size("data") == 1:

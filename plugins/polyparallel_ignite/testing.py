@@ -69,8 +69,8 @@ def _options(strategy: pp.Strategy) -> dict[str, Any]:
 
 
 def _inner(model: nn.Module) -> nn.Module:
-    from polyparallel_torch.model import unwrap
     from polyparallel_torch.pipeline import PipelineModel
+    from polyparallel_torch.tensors import unwrap
 
     return model.stage if isinstance(model, PipelineModel) else unwrap(model)
 

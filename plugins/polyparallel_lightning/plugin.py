@@ -18,7 +18,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel import hookimpl
-from polyparallel_torch.plugin import CAPABILITIES as TORCH_CAPABILITIES  # imports no torch
+from polyparallel_torch.capabilities import CAPABILITIES as TORCH_CAPABILITIES  # imports no torch
 
 __all__ = ["CAPABILITIES", "adapt"]
 

@@ -21,9 +21,12 @@ def __getattr__(name: str) -> Any:
     if name == "get_runtime":
         from .runtime import get_runtime
         return get_runtime
-    if name in ("full_state", "default_plan"):
-        from . import model
-        return getattr(model, name)
+    if name == "full_state":
+        from .tensors import full_state
+        return full_state
+    if name == "default_plan":
+        from .model import default_plan
+        return default_plan
     if name == "make_optimizer":
         from .sharding import make_optimizer
         return make_optimizer

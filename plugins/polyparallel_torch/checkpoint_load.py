@@ -37,18 +37,18 @@ from torch import nn
 import polyparallel as pp
 from polyparallel import _checkpoint_files, _checkpoints
 
-from .checkpoint import (
-    StateDicts,
-    _all_stages,
-    _check_optimizer_of_model,
-    _has_optim,
-    _loader,
-    _module,
-    _optimizers,
-    _options,
-    _single,
-)
 from .checkpoint_files import read_dcp_metadata, read_rank_files, restore_rng, safe_reader
+from .checkpoint_state import (
+    StateDicts,
+    all_stages,
+    check_optimizer_of_model,
+    has_optimizer_state,
+    loader_of,
+    module_of,
+    optimizers_of,
+    single_process,
+    state_dict_options,
+)
 from .runtime import get_runtime
 
 __all__ = ["load"]
@@ -94,7 +94,7 @@ def _state_for_load(module: nn.Module, optimizers: tuple[torch.optim.Optimizer, 
         if fresh:
             for p in params:
                 p.grad = None
-        return get_state_dict(module, optimizers, options=_options())
+        return get_state_dict(module, optimizers, options=state_dict_options())
     finally:
         for p, grad in zip(params if fresh else [], grads):
             p.grad = grad
@@ -171,12 +171,12 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
 
     session = strategy.session()
     checkpoint_async.wait_in_flight(consume=False)  # a save of this process in flight is finished first
-    model, optimizer, loader = state.get("model"), state.get("optimizer"), _loader(state.get("loader"))
-    module, optimizers = (_module(model) if model is not None else None), _optimizers(optimizer)
+    model, optimizer, loader = state.get("model"), state.get("optimizer"), loader_of(state.get("loader"))
+    module, optimizers = (module_of(model) if model is not None else None), optimizers_of(optimizer)
     if optimizers and module is None:
         raise pp.CheckpointError("Strategy.load(optimizer=) needs model= too: the optimizer's state is keyed by parameter name.")
-    has_optim = _has_optim(model, optimizers)  # first: a StateDicts takes no optimizer=
-    _check_optimizer_of_model("Strategy.load", module, optimizers)
+    has_optim = has_optimizer_state(model, optimizers)  # first: a StateDicts takes no optimizer=
+    check_optimizer_of_model("Strategy.load", module, optimizers)
     strict, keys = _partial_options(options or {}, has_optim, loader, module)
     partial = not strict or keys is not None
     meta = _checkpoints.read_marker(path)
@@ -208,7 +208,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
         entries.update(dict.fromkeys(optim_tensors))
         # A pipeline: the whole model's keys (one gather), so that every stage decides the
         # refusals below alike and none enters the agreement while a peer raised.
-        entries = _all_stages(strategy, model, entries, "load_checkpoint")
+        entries = all_stages(strategy, model, entries, "load_checkpoint")
         expected = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
         if partial:
             report = _select(path, expected, stored, strict, keys)
@@ -253,7 +253,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
     if tensors:
         rt = get_runtime(session)
         try:
-            with rt.collective("load_checkpoint (DCP)", "world"), _single(session):
+            with rt.collective("load_checkpoint (DCP)", "world"), single_process(session):
                 # In place: the dicts above see the values.
                 dcp.load(tensors, storage_reader=safe_reader(path), no_dist=session.world_size == 1)
         except (pp.CollectiveError, KeyboardInterrupt):
@@ -269,7 +269,7 @@ def load(strategy: pp.Strategy, path: str, state: dict[str, Any], options: dict[
             model.model.update(model_state)
             model.loaded = sorted(model_state)
         else:
-            set_options = _options() if report is None else StateDictOptions(flatten_optimizer_state_dict=True,
+            set_options = state_dict_options() if report is None else StateDictOptions(flatten_optimizer_state_dict=True,
                                                                               strict=False)
             set_state_dict(module, optimizers, model_state_dict=model_state, optim_state_dict=optim_state,
                            options=set_options)

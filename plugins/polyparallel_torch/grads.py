@@ -64,7 +64,7 @@ import hashlib
 import operator
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from itertools import repeat
 from typing import Any
 
@@ -76,34 +76,14 @@ import polyparallel as pp
 from polyparallel import _trace
 from polyparallel._errors import exception_summary
 
-from .model import is_ddp
 from .runtime import TorchRuntime
+from .tensors import buckets, is_ddp, local_tensor
 
-__all__ = ["buckets", "no_sync", "sync_gradients"]
+__all__ = ["no_sync", "sync_gradients"]
 
 OPERATION = "sync_grads"
 _GRAD = operator.attrgetter("grad")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A tensor-parallel DTensor gradient is reduced over the data axis shard by shard.
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def buckets(tensors: Iterable[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Group tensors into lists of one dtype/device and at most ``bucket_bytes`` each."""
-    open_: dict[tuple[Any, Any], list[torch.Tensor]] = {}
-    sizes: dict[tuple[Any, Any], int] = {}
-    for t in tensors:
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        if open_.get(key) and sizes[key] + nbytes > bucket_bytes:
-            yield open_.pop(key)
-            sizes[key] = 0
-        open_.setdefault(key, []).append(t)
-        sizes[key] = sizes.get(key, 0) + nbytes
-    yield from (b for b in open_.values() if b)
 
 
 class _Bucket:
@@ -121,7 +101,7 @@ class _Bucket:
         self.any_sharded = any(self.sharded)
         if len(params) == 1 and tail == 0:
             return
-        locals_ = [_local(p) for p in params]
+        locals_ = [local_tensor(p) for p in params]
         numels = [t.numel() for t in locals_]
         size = sum(numels)
         self.flat = torch.zeros(size + tail, dtype=locals_[0].dtype, device=locals_[0].device)
@@ -163,7 +143,7 @@ class _Bucket:
                     return
                 except RuntimeError:  # whatever stack refuses, copying tensor by tensor does
                     pass
-            torch._foreach_copy_(self.views, [_local(g) for g in grads] if self.any_sharded else grads)
+            torch._foreach_copy_(self.views, [local_tensor(g) for g in grads] if self.any_sharded else grads)
 
 
 class _Layout:
@@ -172,7 +152,7 @@ class _Layout:
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int):
         self.params = params
         self.bucket_bytes = bucket_bytes
-        locals_ = [_local(p) for p in params]
+        locals_ = [local_tensor(p) for p in params]
         position = {id(t): i for i, t in enumerate(locals_)}
         groups = [[position[id(t)] for t in bucket] for bucket in buckets(locals_, bucket_bytes)]
         for group in groups:  # same shapes side by side in the buffer (see _Bucket.runs)
@@ -246,7 +226,7 @@ class _Layout:
         gradient takes (the presence flags first, no bucket skipped: this rank has them all)."""
         group = rt.group("data")
         tensors = ([self.presence] if self.presence is not None else []) + [
-            _local(mine[0]) if bucket.flat is None else bucket.flat for bucket, mine in zip(self.buckets, mines)]
+            local_tensor(mine[0]) if bucket.flat is None else bucket.flat for bucket, mine in zip(self.buckets, mines)]
         with rt.collective(OPERATION, "data", label):
             works = [dist.all_reduce(t, op=dist.ReduceOp.MAX if t is self.presence else dist.ReduceOp.SUM,
                                      group=group, async_op=True) for t in tensors]
@@ -270,10 +250,10 @@ class _Layout:
     @staticmethod
     def _sync_single(bucket: _Bucket, grad: torch.Tensor | None, rt: TorchRuntime, op: str) -> None:
         if grad is not None:
-            rt.all_reduce(_local(grad), op, OPERATION, "data")
+            rt.all_reduce(local_tensor(grad), op, OPERATION, "data")
             return
         param = bucket.params[0]  # unused here, used elsewhere: contribute zeros, take the result
-        zeros = torch.zeros_like(_local(param))
+        zeros = torch.zeros_like(local_tensor(param))
         rt.all_reduce(zeros, op, OPERATION, "data")
         param.grad = _as_grad_of(param, zeros)
 
@@ -294,7 +274,7 @@ class _Layout:
         for g, v in zip(grads, views):
             if g is None:
                 v.zero_()  # an unused parameter contributes zeros, as with DDP (v is not its .grad)
-        fresh = [(_local(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
+        fresh = [(local_tensor(g), v) for g, v in zip(grads, views) if g is not None and g is not v]
         if fresh:
             torch._foreach_copy_([v for _, v in fresh], [g for g, _ in fresh])
         return False
@@ -310,7 +290,7 @@ class _Layout:
             if not sharded:
                 p.grad = v
             elif g is not None:  # a DTensor's .grad must stay a DTensor: copy back into its shard
-                _local(g).copy_(v)
+                local_tensor(g).copy_(v)
             else:
                 p.grad = _as_grad_of(p, v.clone())
 
@@ -431,7 +411,7 @@ def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
     if isinstance(target, nn.Module):
         _layout_of(target, bucket_bytes, rt).sync(rt, op, policy.check)
         return target
-    grads = [_local(g) for g in target if g is not None]
+    grads = [local_tensor(g) for g in target if g is not None]
     detail = ", ".join(f"{g.dtype}{list(g.shape)}" for g in grads) + f"; op {op}"
     if refusal is not None:  # raises on every rank of the group (the peers learn why)
         if not policy.check:  # no check to tell them: they will time out in the payload

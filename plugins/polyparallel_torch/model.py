@@ -24,20 +24,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 import polyparallel as pp
 
+from .capabilities import CAPABILITIES
 from .runtime import TorchRuntime
+from .tensors import broadcast_over_data, is_ddp, shapes_digest
 
-__all__ = ["default_plan", "validate", "wrap_module", "wrap_ddp", "is_ddp", "unwrap", "full_state",
-           "broadcast_over_data"]
-
-
-def is_ddp(model: Any) -> bool:
-    """Whether ``model`` is already wrapped by DistributedDataParallel."""
-    return isinstance(model, nn.parallel.DistributedDataParallel)
+__all__ = ["default_plan", "validate", "wrap_module", "wrap_ddp"]
 
 
 def default_plan(model: nn.Module) -> dict[str, Any]:
@@ -106,8 +101,6 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
                         "pass the bare module.")
     # The stage this runtime shards at (the session checked only the axes: an adapter such as
     # DeepSpeed may shard by itself on these groups); refused here before any collective.
-    from .plugin import CAPABILITIES
-
     CAPABILITIES.check(topology, stage)
     validate_sharding(model, topology, stage, options)
     if topology.size("pipeline") > 1:
@@ -162,39 +155,5 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     # process_group=, not device_mesh=: given a sliced mesh, DDP installs its DTensor bridge
     # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
     operation = "wrap_model (DDP parameter broadcast)"
-    with rt.operation(operation, "data", _shapes(model)), rt.collective(operation, "data"):
+    with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         return nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
-
-
-def broadcast_over_data(model: nn.Module, rt: TorchRuntime, bucket_bytes: int | None = None) -> None:
-    """Make data replicas start equal (what DDP does at construction): parameters and buffers
-    from data rank 0, shard by shard (after one identity check of their shapes)."""
-    from .states import DEFAULT_BUCKET_BYTES, apply_in_buckets
-
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
-    operation = "wrap_model (parameter broadcast)"
-    with rt.operation(operation, "data", _shapes(model)):
-        apply_in_buckets([t.data for t in tensors], "broadcast", rt, operation, bucket_bytes or DEFAULT_BUCKET_BYTES)
-
-
-def _shapes(model: nn.Module) -> str:
-    import hashlib
-
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in [*model.parameters(), *model.buffers()]]
-    text = ";".join(f"{t.dtype}{list(t.shape)}" for t in local)
-    return f"{len(local)} tensors, digest {hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}"
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DDP wrapper (or the model itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers with DTensors gathered to full tensors (for checks and checkpoints)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, value in unwrap(model).state_dict().items():
-        out[name] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().clone()
-    return out

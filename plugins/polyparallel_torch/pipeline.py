@@ -43,6 +43,8 @@ from torch import nn
 
 import polyparallel as pp
 
+from .tensors import full_state
+
 __all__ = ["split_sequential", "PipelineModel", "validate_pipeline", "wrap_pipeline"]
 
 
@@ -183,8 +185,6 @@ class PipelineModel(nn.Module):
         """The whole model's ``state_dict`` (every stage's entries), gathered on every rank of the
         pipeline group (for checks and single-file checkpoints of small models). Every rank calls
         it: with ``data > 1`` the stage's FSDP2 parameters are gathered over ``data`` first."""
-        from .model import full_state
-
         local = full_state(self.stage)
         merged: dict[str, torch.Tensor] = {}
         for part in self.runtime.all_gather_object(local, "gather pipeline state", "pipeline"):

@@ -5,7 +5,9 @@ The core calls these hooks only for sessions (and launches) whose runtime is ``"
 hook needs a ``session.runtime`` guard; within the runtime, a hook returns ``None`` for an object
 that is not torch's.
 Importing this module is cheap: torch is imported inside the hooks, and only once the object
-handed to an operation could be torch's (if ``torch`` was never imported, it cannot be).
+handed to an operation could be torch's (if ``torch`` was never imported, it cannot be). The
+declaration the core checks is :mod:`.capabilities`; this module sits on top of the plugin (no
+other module of it imports this one).
 """
 
 from __future__ import annotations
@@ -17,31 +19,9 @@ from typing import Any
 import polyparallel as pp
 from polyparallel import hookimpl
 
+from .capabilities import CAPABILITIES, RUNTIME
+
 __all__: list[str] = []
-
-RUNTIME = "torch"
-
-
-CAPABILITIES = pp.Capabilities(
-    RUNTIME, axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},),
-    features={"ddp", "fsdp2", "zero_redundancy_optimizer", "dcp_checkpoint", "tensor_parallel_plan",
-              "pipeline_gpipe", "bucketing", "no_sync", "gloo", "nccl", "timeouts", "collective_trace"},
-    # The automatic choice prefers torch when several runtimes are installed and imported (or none is).
-    imports={"torch"}, backends={"gloo", "nccl"}, priority=10,
-    # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
-    # Adapters that shard on this runtime's groups themselves (DeepSpeed ZeRO) need the stage here too.
-    stages={0, 1, 2, 3},
-    stages_with={
-        "tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole "
-                              "parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with FSDP2 over "
-                              "data on the 2-D mesh)"),
-        # With data == 1 there is nothing to shard, but zero=1 would still build a ZeroRedundancyOptimizer
-        # over DTensor stage parameters; one rule for every data size keeps the message simple.
-        "pipeline": ({0, 2, 3}, "each pipeline stage is replicated over data by FSDP2 (its parameters are DTensors), "
-                                "and stage 1 is torch's ZeroRedundancyOptimizer, which cannot broadcast DTensors "
-                                "(zero=2 also shards gradients, one reduce-scatter per step)"),
-    },
-)
 
 
 def _torch_loaded() -> bool:
@@ -166,14 +146,14 @@ def polyparallel_export_checkpoint(path: str, metadata: dict[str, Any], to: str,
 @hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
                         timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
-    from .launch import launch_function
+    from .launchers.multiprocess import launch_function
 
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)
 
 
 @hookimpl
 def polyparallel_launch_script(command: list[str], options: dict[str, Any]) -> int:
-    from .launch import launch_script
+    from .launchers.torchrun import launch_script
 
     return launch_script(command, options)
 

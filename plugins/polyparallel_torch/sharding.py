@@ -44,6 +44,7 @@ from torch import nn
 import polyparallel as pp
 
 from .runtime import TorchRuntime
+from .tensors import broadcast_over_data
 
 __all__ = ["default_units", "is_fsdp", "make_optimizer", "replicate_module", "shard_module", "sharded_over_data", "sync_noop",
            "validate_sharding"]
@@ -112,8 +113,6 @@ def shard_module(model: nn.Module, rt: TorchRuntime, stage: int, options: dict[s
         micro-batch's backward would gather it again), as torchtitan does with pipelines."""
     from torch.distributed.fsdp import fully_shard
 
-    from .model import broadcast_over_data
-
     broadcast_over_data(model, rt)  # replicas start from data rank 0's values, as under DDP
     kwargs = dict(options.get("fsdp_kwargs") or {})
     mesh = rt.submesh("data")
@@ -139,8 +138,6 @@ def replicate_module(model: nn.Module, rt: TorchRuntime) -> nn.Module:
     Used for pipeline stages at zero=0/1 (the tensor axis is 1 there): the runtime mesh's
     ``("data", "tensor")`` slice is that ``(data, 1)`` mesh, so no process group is made."""
     from torch.distributed.fsdp import fully_shard
-
-    from .model import broadcast_over_data
 
     if rt.topology.size("tensor") != 1:  # validate_pipeline refuses pipeline x tensor before this
         raise pp.UnsupportedTopologyError(f"replicate_module needs tensor=1; the topology is {rt.topology!r}.")

@@ -15,18 +15,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import polyparallel as pp
 
-from .grads import buckets
-from .model import unwrap
 from .runtime import TorchRuntime
 from .sharding import sharded_over_data
+from .tensors import apply_in_buckets, local_tensor, unwrap
 
-__all__ = ["sync", "named_states", "apply_in_buckets", "DEFAULT_BUCKET_BYTES"]
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+__all__ = ["sync", "named_states"]
 
 
 def named_states(states: Any) -> list[tuple[str, torch.Tensor]]:
@@ -51,7 +47,7 @@ def sync(states: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
         action = policy.action_for(name)
         if action == "local" or sharded_over_data(tensor):
             continue
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        local = local_tensor(tensor)
         if action == "mean" and not local.is_floating_point():
             continue  # an integer counter cannot be averaged; leave it alone
         groups[action].append(local.data)
@@ -64,19 +60,3 @@ def sync(states: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
         for action, tensors in groups.items():
             apply_in_buckets(tensors, action, rt, "sync_states", bucket_bytes)
     return states
-
-
-def apply_in_buckets(tensors: list[torch.Tensor], action: str, rt: TorchRuntime, operation: str,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """``mean`` (average) or ``broadcast`` (from data rank 0) ``tensors`` over the data group in
-    place, packed into flat buckets of one dtype (in a deterministic order on every rank). The
-    caller runs it inside ``rt.operation(...)`` (one identity check for all buckets)."""
-    with torch.no_grad():
-        for bucket in buckets(tensors, bucket_bytes):
-            flat = _flatten_dense_tensors(bucket)
-            if action == "mean":
-                rt.all_reduce(flat, "avg", operation, "data")
-            else:
-                rt.broadcast(flat, operation, "data")
-            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                t.copy_(synced)

@@ -17,8 +17,8 @@ from polyparallel._errors import exception_summary
 from polyparallel.testing import ConformanceDriver, reference_data
 
 from .data import TopologySampler
-from .model import full_state, unwrap
 from .sharding import make_optimizer, sharded_over_data
+from .tensors import full_state, unwrap
 
 __all__ = [
     "TorchDriver",
@@ -138,8 +138,6 @@ def stage_params(model: nn.Module) -> dict[str, list[float]]:
     from .pipeline import PipelineModel
 
     if isinstance(model, PipelineModel):
-        from .model import full_state
-
         names = {n for n, _ in model.stage.named_parameters()}  # FSDP2 over data: gathered (every rank calls)
         return {n: t.reshape(-1).double().tolist() for n, t in full_state(model.stage).items() if n in names}
     return flat_params(model)

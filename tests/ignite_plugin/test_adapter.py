@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import polyparallel as pp
-from polyparallel_torch.plugin import CAPABILITIES as TORCH_CAPABILITIES
+from polyparallel_torch.capabilities import CAPABILITIES as TORCH_CAPABILITIES
 from polyparallel_torch.testing import FEATURES, reference_model
 
 pytestmark = [pytest.mark.multiprocess]
@@ -88,7 +88,7 @@ def test_auto_optim_at_zero1_is_a_zero_redundancy_optimizer_matching_one_process
 
 
 def _zero3_worker(strategy: pp.Strategy) -> dict:
-    from polyparallel_torch.model import full_state
+    from polyparallel_torch.tensors import full_state
 
     ignite = strategy.adapt("ignite")
     model = ignite.auto_model(reference_model(0))

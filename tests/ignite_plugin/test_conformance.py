@@ -9,7 +9,7 @@ import pytest
 import polyparallel as pp
 from polyparallel.testing import ConformanceSuite
 from polyparallel_ignite.testing import IgniteDriver
-from polyparallel_torch.plugin import CAPABILITIES as TORCH_CAPABILITIES
+from polyparallel_torch.capabilities import CAPABILITIES as TORCH_CAPABILITIES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 

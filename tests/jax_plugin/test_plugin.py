@@ -97,7 +97,7 @@ def test_each_launcher_answers_only_for_its_runtime(monkeypatch, torch_first):
     for module, name in plugins if torch_first else plugins[::-1]:
         pm.register(module, name=name)
     calls = []
-    monkeypatch.setitem(sys.modules, "polyparallel_torch.launch", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "polyparallel_torch.launchers.multiprocess", types.SimpleNamespace(
         launch_function=lambda fn, strategy, nprocs, *rest, **options: calls.append(("torch", nprocs)) or ["torch"] * nprocs))
     monkeypatch.setattr(polyparallel_jax.launch, "launch_processes",
                         lambda fn, nprocs, **kwargs: calls.append(("jax", nprocs)) or ["jax"] * nprocs)

@@ -32,7 +32,7 @@ class TestLightningData2Zero3(ConformanceSuite):
     @pytest.fixture(scope="class", autouse=True)
     @classmethod
     def _runtime_runs_stage3(cls):
-        from polyparallel_torch.plugin import CAPABILITIES
+        from polyparallel_torch.capabilities import CAPABILITIES
 
         if 3 not in CAPABILITIES.stages:
             pytest.skip(f"the torch runtime declares sharding stages {sorted(CAPABILITIES.stages)}, not 3: "

@@ -172,7 +172,7 @@ def test_default_tensor_plan_is_the_runtimes_for_the_single_sequential_child(mon
 # -- sharding stages ------------------------------------------------------------------------------------
 def test_stages_are_the_torch_runtimes_and_an_undeclared_one_is_refused_before_anything_starts():
     from polyparallel_lightning.plugin import CAPABILITIES
-    from polyparallel_torch.plugin import CAPABILITIES as TORCH
+    from polyparallel_torch.capabilities import CAPABILITIES as TORCH
 
     assert CAPABILITIES.stages == TORCH.stages and 0 in CAPABILITIES.stages
     assert pp.get_plugin_manager().adapters()["lightning"].capabilities.stages == TORCH.stages

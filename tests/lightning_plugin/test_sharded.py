@@ -20,8 +20,8 @@ NS = "lightning.pytorch"
 
 
 def require_stage(stage):
-    """Skip unless the torch runtime declares ``stage`` (``polyparallel_torch.plugin.CAPABILITIES``)."""
-    from polyparallel_torch.plugin import CAPABILITIES
+    """Skip unless the torch runtime declares ``stage`` (``polyparallel_torch.capabilities.CAPABILITIES``)."""
+    from polyparallel_torch.capabilities import CAPABILITIES
 
     if stage not in CAPABILITIES.stages:
         pytest.skip(f"the torch runtime declares sharding stages {sorted(CAPABILITIES.stages)}, not {stage}: "

@@ -20,7 +20,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch import load_checkpoint, make_optimizer, save_checkpoint
-from polyparallel_torch.model import full_state
+from polyparallel_torch.tensors import full_state
 
 N, BATCH, EPOCHS = 48, 8, 2  # 6 steps an epoch
 
@@ -409,7 +409,7 @@ def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypa
     # addresses); this checks that the setting does not outlive `polyparallel launch`.
     from torch.distributed import run as torchrun
 
-    from polyparallel_torch.launch import launch_script
+    from polyparallel_torch.launchers.torchrun import launch_script
 
     seen = []
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)

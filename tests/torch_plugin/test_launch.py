@@ -17,7 +17,9 @@ import time
 import pytest
 
 import polyparallel as pp
-from polyparallel_torch import launch as torch_launch
+from polyparallel_torch.launchers.base import free_port
+from polyparallel_torch.launchers.launch_dir import remove_stale_launch_dirs
+from polyparallel_torch.launchers.multiprocess import launch_function
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -207,7 +209,7 @@ def test_a_bad_timeout_is_refused_before_any_process(timeout, error, message):
     # Old code: timeout="60" failed after the processes started and left them running.
     start = time.monotonic()
     with pytest.raises(error, match=message):
-        torch_launch.launch_function(_sleep_forever, pp.Strategy(data=2), 2, (), {}, timeout=timeout)
+        launch_function(_sleep_forever, pp.Strategy(data=2), 2, (), {}, timeout=timeout)
     assert time.monotonic() - start < 1.0
 
 
@@ -272,7 +274,7 @@ def test_the_directory_of_a_killed_launcher_is_removed_by_the_next_launch(tmp_pa
             time.sleep(0.2)
         (directory,) = tmp.glob(f"polyparallel-launch-{parent.pid}-*")
         workers = _children(parent.pid)
-        assert torch_launch.remove_stale_launch_dirs(str(tmp)) == []  # its launcher is alive
+        assert remove_stale_launch_dirs(str(tmp)) == []  # its launcher is alive
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
         deadline = time.monotonic() + 60  # the orphaned workers end (parent-death signal) ...
@@ -280,7 +282,7 @@ def test_the_directory_of_a_killed_launcher_is_removed_by_the_next_launch(tmp_pa
             assert time.monotonic() < deadline, "workers outlived their killed launcher"
             time.sleep(0.2)
         assert directory.is_dir()  # ... but a SIGKILLed launcher cannot clean up ...
-        assert torch_launch.remove_stale_launch_dirs(str(tmp)) == [str(directory)]  # ... the next launch does
+        assert remove_stale_launch_dirs(str(tmp)) == [str(directory)]  # ... the next launch does
         assert not directory.exists()
     finally:
         if parent.poll() is None:
@@ -291,7 +293,7 @@ def test_the_directory_of_a_killed_launcher_is_removed_by_the_next_launch(tmp_pa
 def test_another_users_or_foreign_directories_are_left_alone(tmp_path):
     (tmp_path / "polyparallel-launch-abc123").mkdir()  # an old-style name, no lock: not ours to judge
     (tmp_path / "polyparallel-launch-1-x").mkdir()  # our pattern but no lock file
-    assert torch_launch.remove_stale_launch_dirs(str(tmp_path)) == []
+    assert remove_stale_launch_dirs(str(tmp_path)) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["polyparallel-launch-1-x", "polyparallel-launch-abc123"]
 
 
@@ -335,7 +337,7 @@ def test_cli_launch_two_nodes_on_this_machine(tmp_path):
     script.write_text(SCRIPT)
     out = tmp_path / "out"
     out.mkdir()
-    endpoint = f"127.0.0.1:{torch_launch.free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     agents = [subprocess.Popen(_cli("--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                                     "--rdzv-endpoint", endpoint, "--rdzv-timeout", "120", str(script), str(out),
@@ -354,7 +356,7 @@ def test_cli_launch_two_nodes_on_this_machine(tmp_path):
 def test_cli_launch_gives_up_when_a_node_never_joins(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    endpoint = f"127.0.0.1:{torch_launch.free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     start = time.monotonic()
     proc = subprocess.run(_cli("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
                                "--rdzv-timeout", "5", str(script)),
@@ -372,7 +374,7 @@ def test_cli_launch_reports_a_failing_script(tmp_path):
 
 
 def test_a_launched_script_has_its_folder_first_on_sys_path_and_not_the_working_directory(tmp_path):
-    # `polyparallel launch` runs each worker through polyparallel_torch.script; sys.path must be what
+    # `polyparallel launch` runs each worker through polyparallel_torch.launchers.script_worker; sys.path must be what
     # `python SCRIPT` gives: the script's folder first and the working directory absent, so that a
     # json.py there shadows nothing (a plain `python -m` wrapper put it first).
     work, code = tmp_path / "work", tmp_path / "code"

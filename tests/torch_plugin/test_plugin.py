@@ -1,4 +1,4 @@
-"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's declaration and its routing.
+"""``plugins/polyparallel_torch/plugin.py``: the torch runtime's routing (its declaration: test_capabilities.py).
 
 The core calls the torch hooks only for sessions (and launches) whose runtime is torch; the hooks
 carry no guard of their own. The world below is two processes without ``MASTER_ADDR``: a torch
@@ -36,12 +36,6 @@ def pm(monkeypatch):
     manager.register(OtherRuntime(), name="other")
     yield manager
     manager.close_sessions()
-
-
-def test_the_declared_runtime():
-    caps = torch_plugin.CAPABILITIES
-    assert (caps.target, caps.imports, caps.backends) == ("torch", {"torch"}, {"gloo", "nccl"})
-    assert caps.axes == {"data", "tensor", "pipeline"} and caps.excludes == (frozenset({"tensor", "pipeline"}),)
 
 
 def test_no_torch_hook_answers_for_another_runtime(pm):

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import polyparallel as pp
-from polyparallel_torch.launch import free_port
-from polyparallel_torch.runtime import _hash62, get_runtime, runtime_key
+from polyparallel_torch.identity_checks import hash62
+from polyparallel_torch.launchers.base import free_port
+from polyparallel_torch.runtime import get_runtime, runtime_key
 
 
 # -- single process ------------------------------------------------------------------------------------
@@ -57,11 +58,11 @@ def test_broken_runtime_refuses_every_operation_and_says_why():
 
 def test_identity_hash_is_the_same_in_every_process():
     # Python's hash() of a str is salted per process: two ranks would never agree with it.
-    code = "from polyparallel_torch.runtime import _hash62; print(_hash62('sync_grads\\0data\\x003\\0layout'))"
+    code = "from polyparallel_torch.identity_checks import hash62; print(hash62('sync_grads\\0data\\x003\\0layout'))"
     env = dict(os.environ, PYTHONHASHSEED="12345")
     other = int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                timeout=120, check=True).stdout)
-    assert other == _hash62("sync_grads\0data\x003\0layout")
+    assert other == hash62("sync_grads\0data\x003\0layout")
     assert 0 <= other < 2**62
 
 
@@ -147,8 +148,9 @@ _USER_SCRIPT = textwrap.dedent("""
     left = len(pg_map)
     # Without a backend override, DeviceMesh uses the default group itself for a dimension that
     # spans the world: tearing that dimension's group down must leave WORLD alone.
+    import polyparallel_torch.process_groups as process_groups
     import polyparallel_torch.runtime as runtime
-    runtime._backend_options = lambda backend, timeout: None
+    process_groups.subgroup_options = lambda backend, timeout: None
     s = pp.Strategy(data=2, timeout=31)
     aliased = runtime.get_runtime(s.session()).group("data") is dist.group.WORLD
     value2 = s.reduce_metrics({"x": 2.0 * dist.get_rank()})["x"]

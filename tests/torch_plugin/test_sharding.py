@@ -12,7 +12,7 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel_torch import make_optimizer
-from polyparallel_torch.model import full_state, unwrap
+from polyparallel_torch.tensors import full_state, unwrap
 
 STEPS, GLOBAL_BATCH, LR = 3, 8, 0.01
 

@@ -189,7 +189,8 @@ def test_cli_launch_prints_the_first_failing_rank_once_and_trace_shows_the_timel
     assert proc.returncode not in (0, 124), proc.stdout + proc.stderr
     err = proc.stderr
     report = err[err.index("polyparallel launch: "):]
-    assert report.startswith("polyparallel launch: rank 0 failed: CollectiveTimeout: reduce_metrics #2"), err
+    # The report's first line names the world size, as function mode's does (old: "rank 0 failed:").
+    assert report.startswith("polyparallel launch: rank 0 of 2 failed: CollectiveTimeout: reduce_metrics #2"), err
     assert "rank 1 has not entered any collective since reduce_metrics #1 (hang.py:6, done)" in report, err
     assert "rank 0 waits in reduce_metrics #2 (hang.py:8)" in report, err
     assert 'hang.py", line 10, in <module>' in report, err  # rank 1's stack: its sleep

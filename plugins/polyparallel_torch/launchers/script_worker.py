@@ -1,22 +1,20 @@
-"""``python -m polyparallel_torch.script SCRIPT [ARGS]``: one worker of ``polyparallel launch``.
+"""``python -m polyparallel_torch.launchers.script_worker SCRIPT [ARGS]``: one worker of ``polyparallel launch``.
 
-torchrun starts every worker through this module (as ``python -u -P -m polyparallel_torch.script``),
-which runs the script as ``__main__`` like ``python SCRIPT`` (the script's folder first on
-``sys.path``, the working directory not on it) and, when it raises, writes the error where torchrun's agent looks for it
-(``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``, plus a ``polyparallel``
-record: rank, time, whether it is a collective failure, the whole traceback) and prints one line
-instead of the traceback. The launcher (:func:`polyparallel_torch.launch.launch_script`) then
-prints the report of the first failing rank once, instead of N interleaved tracebacks. A script
-that exits by ``SystemExit`` exits as it asked.
+torchrun starts every worker through this module (as ``python -u -P -m
+polyparallel_torch.launchers.script_worker``, :mod:`.torchrun`), which runs the script as
+``__main__`` like ``python SCRIPT`` (the script's folder first on ``sys.path``, the working
+directory not on it) and, when it raises, writes its failure record where torchrun's agent looks
+for it (``TORCHELASTIC_ERROR_FILE``; the format: :mod:`.records`) and prints one line instead of
+the traceback. The launcher (:func:`.torchrun.launch_script`) then prints the report of the root
+cause once, instead of N interleaved tracebacks. A script that exits by ``SystemExit`` exits as
+it asked.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
-import time
 import traceback
 
 from polyparallel._errors import exception_summary
@@ -26,24 +24,13 @@ __all__ = ["main", "record_error"]
 
 def record_error(exc: BaseException) -> None:
     """Write ``exc`` to ``TORCHELASTIC_ERROR_FILE`` (nothing when torchrun did not set it)."""
-    from .launch import _is_collective_failure
-
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    text = "".join(traceback.format_exception(exc))
-    now = time.time()
-    data = {
-        "message": {"message": exception_summary(exc, first_line=False),
-                    "extraInfo": {"py_callstack": text, "timestamp": str(int(now))}},
-        "polyparallel": {"rank": int(os.environ.get("RANK", "0")), "time": now,
-                         "collective": _is_collective_failure(exc), "summary": exception_summary(exc), "traceback": text},
-    }
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
+    from .records import write_failure
+
+    world = os.environ.get("WORLD_SIZE")
+    write_failure(path, exc, int(os.environ.get("RANK", "0")), int(world) if world else None)
 
 
 def _script_path_first(folder: str) -> None:
@@ -63,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run ``argv[0]`` as ``__main__`` with ``argv[1:]`` as its arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        raise SystemExit("usage: python -m polyparallel_torch.script SCRIPT [ARGS]")
+        raise SystemExit("usage: python -m polyparallel_torch.launchers.script_worker SCRIPT [ARGS]")
     script = argv[0]
     sys.argv = argv
     _script_path_first(os.path.dirname(os.path.abspath(script)))

@@ -1,0 +1,114 @@
+"""Script mode: ``polyparallel launch SCRIPT`` hands the script to ``torch.distributed.run``, the
+elastic agent torchrun uses (multi-node rendezvous, restarts).
+
+Each worker runs the script through :mod:`.script_worker`, which saves a failure for the agent
+(:mod:`.records`) instead of printing its traceback: when workers fail, :func:`launch_script`
+prints the report of the root cause once (:mod:`.root_cause`, as function mode does), not one
+traceback per rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+from typing import Any
+
+from polyparallel._errors import exception_summary
+
+from .base import free_port
+from .records import record_of
+from .root_cause import RankEnd, root_cause
+
+__all__ = ["launch_script"]
+
+WORKER_MODULE = "polyparallel_torch.launchers.script_worker"
+"""The module every worker runs the script through (``python -m``)."""
+
+
+def launch_script(command: list[str], options: dict[str, Any]) -> int:
+    """``polyparallel launch``: hand the command to ``torch.distributed.run`` (torchrun).
+
+    ``options`` are the command's, validated by it: with no ``rdzv_endpoint`` (or port 0) on one
+    node, the rendezvous is 127.0.0.1 on a free port; ``rdzv_timeout`` bounds how long the agents
+    wait for every node to join; ``trace_dir`` makes every worker write its collective trace there.
+    Returns the exit code.
+    """
+    from torch.distributed import run as torchrun
+
+    endpoint = options.get("rdzv_endpoint") or "127.0.0.1:0"
+    host, _, port = endpoint.rpartition(":")
+    if port in ("", "0"):
+        host = host or "127.0.0.1"
+        endpoint = f"{host}:{free_port(host.strip('[]'))}"
+    argv = [
+        f"--nproc-per-node={options.get('nproc_per_node', 1)}",
+        f"--nnodes={options.get('nnodes', 1)}",
+        f"--node-rank={options.get('node_rank', 0)}",
+        f"--max-restarts={options.get('max_restarts', 0)}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+    ]
+    if options.get("rdzv_timeout") is not None:
+        argv.append(f"--rdzv-conf=join_timeout={max(1, math.ceil(options['rdzv_timeout']))}")
+    # With restarts, torchrun's default of sharing its rendezvous store with the workers hands a
+    # restarted worker the previous attempt's gloo/nccl addresses (pytorch/pytorch#135712: the
+    # restarted init_process_group fails with "Connection refused"); a store per attempt avoids
+    # it. Set only while torchrun runs, unless the user chose a value.
+    fresh_store = options.get("max_restarts", 0) and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    if fresh_store:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if command and not command[0].startswith("-"):  # a script: run through the reporting wrapper
+        # -P: the interpreter does not put the working directory first on sys.path (`-m` would,
+        # and `python SCRIPT` does not); the wrapper puts the script's folder there instead.
+        # torchrun's own `-m` cannot take interpreter flags: it runs the command as given instead
+        # (with -u, as it would). -P exists from Python 3.11; on 3.10 the wrapper replaces
+        # sys.path[0] itself, after its own few imports.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", *safe_path, "-m", WORKER_MODULE]
+    trace_dir = options.get("trace_dir")
+    saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
+    if trace_dir:  # the agent hands this process's environment to the workers
+        os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
+    try:
+        torchrun.run(torchrun.parse_args([*argv, *command]))
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except Exception as exc:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
+        if isinstance(exc, ChildFailedError):
+            print(f"polyparallel launch: {_report(exc.failures)}", file=sys.stderr, flush=True)
+            return 1
+        hint = ""
+        if isinstance(exc, RendezvousError):
+            hint = (f" (rendezvous at {endpoint}, --nnodes {options.get('nnodes', 1)}). Not every node joined in "
+                    f"time (--rdzv-timeout {options.get('rdzv_timeout')} s): start the same command on every node, "
+                    "with the same --nnodes and --rdzv-endpoint (a HOST:PORT all nodes reach) and its own --node-rank.")
+        print(f"polyparallel launch: {exception_summary(exc)}{hint}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if fresh_store:
+            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        if trace_dir:
+            if saved is None:
+                os.environ.pop("POLYPARALLEL_TRACE_DIR", None)
+            else:
+                os.environ["POLYPARALLEL_TRACE_DIR"] = saved
+    return 0
+
+
+def _report(failures: dict[int, Any]) -> str:
+    """The report of torchrun's failed workers (``ProcessFailure`` by global rank)."""
+    ends = []
+    for rank, failure in sorted(failures.items()):
+        record = record_of(failure.error_file_data)
+        # SIGTERM is how the agent stops the other workers once one failed: a consequence, not a cause.
+        stopped = record is None and failure.exitcode == -signal.SIGTERM
+        ends.append(RankEnd(rank, record, failure.exitcode, stopped=stopped,
+                            detail="" if record else str(failure.message)))
+    # The agent does not know the world size; the workers' records say it.
+    sizes = [int(e.record["world_size"]) for e in ends if e.record and e.record.get("world_size")]
+    world = max(sizes) if sizes else (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
+    return root_cause(ends, world).message
