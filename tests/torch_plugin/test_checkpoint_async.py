@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import polyparallel as pp
-from polyparallel_torch.model import full_state
+from polyparallel_torch.tensors import full_state
 
 
 def _net(seed: int) -> nn.Sequential:
