@@ -21,6 +21,13 @@ optax update on the sharded parameters. Metrics and losses are reduced count-wei
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
 
+``Strategy(precision=)``: parameters kept in its param dtype, forward and backward in its compute
+dtype, the gradient reduction in its reduce dtype, the optimizer state in its optimizer dtype
+(:mod:`polyparallel_jax.precision`); ``fp16-mixed`` (loss scaling) is refused before anything is
+compiled. ``Strategy(accumulate=N)``: each step of ``batch_size`` rows is N micro-batches of
+``batch_size / (data x N)`` rows per device, scanned inside the one compiled step, with one
+gradient reduction and one optimizer update (:mod:`polyparallel_jax.steps`).
+
 State. ``model.module`` holds the parameters, the BatchNorm statistics (averaged) and the RNG
 state. The rest belongs to a *placement*, the state put on one strategy's mesh: the placement
 itself, the optimizer state there, the per-device statistics (``local``) and the compiled steps.
@@ -49,7 +56,7 @@ import numpy as np
 import polyparallel as pp
 
 from . import losses as _losses
-from . import saving, steps
+from . import precision, saving, steps
 from .data import ShardedArrays
 from .progress import ProgressBar
 from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
@@ -120,7 +127,8 @@ class Model:
         if strategy is not None:
             strategy = as_jax_strategy(strategy)
             resolve_for_devices(strategy.topology)  # a JAX-worded error before any session
-            strategy.check("jax")  # pipeline > 1 is refused before anything is compiled
+            strategy.check("jax")  # pipeline > 1, precisions not run: refused before anything is compiled
+            precision.check(strategy.precision, "polyparallel_jax.Model")
         if self._placed is not None and self._placed[0] == strategy:
             return self._placed
         self._reset()  # the module now holds everything the old placement had (averaged)
@@ -188,19 +196,22 @@ class Model:
         if key not in self._steps:
             strategy, runtime, _ = self._placement
             graphdef, _, _, _ = self._split(train)
-            self._steps[key] = steps.build(graphdef, strategy, runtime, self.loss_fn, self.metric_fns, self.optimizer,
+            self._steps[key] = steps.build(graphdef, strategy, runtime, self.loss_fn, self.metric_fns, self._tx,
                                            train=train, local_stats=key[1])
         return self._steps[key]
 
     # -- data --------------------------------------------------------------------------------------
-    def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
+    def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None,
+              train: bool = True) -> ShardedArrays:
+        """Training data through ``strategy.shard_data`` (micro-batches of ``Strategy(accumulate=)``
+        included); evaluation data in whole batches (nothing to accumulate)."""
         strategy, runtime, _ = self._placement
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int. Received: {batch_size!r}.")
         arrays = tuple(np.asarray(a) for a in arrays)
-        if strategy is None:
+        if strategy is None or not train:
             return ShardedArrays(arrays, runtime, pp.DataPolicy(batch_size, shuffle, remainder),
-                                 0 if seed is None else seed)
+                                 (strategy.seed if strategy is not None else 0) if seed is None else seed)
         if seed is not None:
             strategy = strategy.replace(seed=seed)
         return strategy.shard_data(arrays, batch_size=batch_size, shuffle=shuffle, remainder=remainder)
@@ -298,7 +309,7 @@ class Model:
 
         self._place(strategy)
         self._finish_local_stats()
-        data = self._data(arrays, batch_size, False, "uneven", None)
+        data = self._data(arrays, batch_size, False, "uneven", None, train=False)
         step = self._step(train=False)
         _, params, stats, rest = self._split(train=False)
         results, counts, outputs = [], [], []
@@ -337,15 +348,22 @@ class Model:
 
         _, runtime, wrapped = self._placement
         if wrapped is not None:
-            opt_state = wrapped.init_optimizer(self.optimizer, params)
+            opt_state = wrapped.init_optimizer(self._tx, params)
         else:
-            opt_state = jax.jit(self.optimizer.init)(params)
+            opt_state = jax.jit(self._tx.init)(params)
         saved, self._unplaced_opt_state = self._unplaced_opt_state, None
         if saved is not None:  # same values, placed like the fresh state
             fresh, treedef = jax.tree.flatten(opt_state)
             opt_state = jax.tree.unflatten(treedef, [jax.device_put(jax.numpy.asarray(old_value, new.dtype), new.sharding)
                                                      for old_value, new in zip(jax.tree.leaves(saved), fresh)])
         return opt_state
+
+    @property
+    def _tx(self) -> Any:
+        """The optimizer as it runs on the placement: under a precision, its state kept in the
+        optimizer dtype (:meth:`polyparallel_jax.ShardedModule.optimizer`)."""
+        wrapped = self._placement[2]
+        return wrapped.optimizer(self.optimizer) if wrapped is not None else self.optimizer
 
     def _maybe_local(self, stats: Any) -> Any:
         """Under the ``local`` policy, give every device its own copy of the statistics."""

@@ -124,6 +124,15 @@ class ShardedModule:
     module: Any
     specs: dict[str, tuple[Any, ...]]
     runtime: JaxRuntime
+    optimizer_dtype: Any = None  #: the precision's optimizer dtype (``None``: the optimizer's own)
+
+    def optimizer(self, tx: Any) -> Any:
+        """``tx`` as it runs under the strategy's precision: its parameter-shaped state kept in
+        the optimizer dtype (:func:`polyparallel_jax.precision.optimizer`); ``tx`` itself
+        without a precision."""
+        from . import precision
+
+        return tx if self.optimizer_dtype is None else precision.optimizer(tx, self.optimizer_dtype)
 
     def shardings(self, state: Any) -> Any:
         """A pytree of ``NamedSharding`` for ``state`` (an ``nnx.State`` of this module): params
@@ -147,17 +156,25 @@ class ShardedModule:
         return jax.jit(tx.init, out_shardings=out)(params)
 
 
-def wrap_model(runtime: JaxRuntime, module: Any, plan: Any = None) -> ShardedModule:
+def wrap_model(runtime: JaxRuntime, module: Any, plan: Any = None, param_dtype: Any = None,
+               optimizer_dtype: Any = None) -> ShardedModule:
     """Place an NNX module's state on the mesh: parameters replicated over ``data`` and split
     over ``tensor`` by ``plan`` (see :mod:`polyparallel_jax.partition`), other state replicated.
-    Errors in the plan are raised before anything is compiled or moved."""
+    ``param_dtype`` (the precision's): the floating parameters are cast to it first, and kept
+    in it; ``optimizer_dtype``: what :meth:`ShardedModule.optimizer` keeps the optimizer state
+    in. Errors in the plan are raised before anything is compiled or moved."""
     import jax
     from flax import nnx
 
+    from . import precision
+
     params = nnx.state(module, nnx.Param)
+    if param_dtype is not None:
+        params = precision.cast(params, param_dtype)
+        nnx.update(module, params)
     shapes = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     specs = param_specs(shapes, plan, runtime.topology.sizes)
-    wrapped = ShardedModule(module, {k: v for k, v in specs.items() if v}, runtime)
+    wrapped = ShardedModule(module, {k: v for k, v in specs.items() if v}, runtime, optimizer_dtype)
     state = nnx.state(module)
     nnx.update(module, jax.device_put(state, wrapped.shardings(state)))
     return wrapped
@@ -174,20 +191,46 @@ def sync_grads(strategy: pp.Strategy, grads: Any) -> Any:
     implicit ``pvary`` is a ``psum``), so such leaves are divided by the axis size, not
     ``pmean``-ed again; leaves still varying over ``data`` are ``pmean``-ed. Outside ``shard_map``
     gradients of a global loss are already global (GSPMD): a documented no-op.
+
+    Under ``Strategy(precision=)`` the varying leaves are reduced in its ``reduce_dtype`` (cast,
+    reduced, cast back to the gradient's dtype). Leaves JAX already summed in backward were
+    reduced in their own dtype: take the gradient with respect to per-device copies
+    (``jax.lax.pcast(params, "data", to="varying")``, as :class:`polyparallel_jax.Model` does)
+    so that the one reduction is this one.
     """
     import jax
+    import jax.numpy as jnp
+
+    from . import precision
 
     if not inside_data_axis():
         return grads
     size = jax.lax.axis_size(DATA)
     mean = strategy.grad_policy.op == "mean"
+    dtypes = precision.dtypes(strategy.precision)
+    reduce = dtypes.reduce if dtypes is not None else None
 
     def one(g: Any) -> Any:
         if _varies_over_data(g):
-            return jax.lax.pmean(g, DATA) if mean else jax.lax.psum(g, DATA)
+            wire = reduce if reduce is not None and jnp.issubdtype(g.dtype, jnp.floating) else g.dtype
+            out = _psum(g.astype(wire))
+            return (out / size if mean else out).astype(g.dtype)
         return g / size if mean else g
 
     return jax.tree.map(one, grads)
+
+
+def _psum(x: Any) -> Any:
+    """``psum`` over ``data`` in ``x``'s dtype. A bfloat16 all-reduce on CPU is summed in float32
+    and rounded back, written out here: XLA's CPU compiler does the same by itself
+    (``AllReducePromotion``) but aborts the process doing it inside a partially manual
+    ``shard_map`` (a ``tensor`` axis left to GSPMD puts a sharding constraint in the reducer)."""
+    import jax
+    import jax.numpy as jnp
+
+    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jax.lax.psum(x.astype(jnp.float32), DATA).astype(x.dtype)
+    return jax.lax.psum(x, DATA)
 
 
 # -- reduce_metrics ---------------------------------------------------------------------------

@@ -42,7 +42,13 @@ def _jax_loaded() -> bool:
 
 
 def _capabilities(target: str, **runtime: Any) -> pp.Capabilities:
-    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES, **runtime)
+    # Precisions (polyparallel_jax.precision): the runtime's operations and the Model map each
+    # dtype of the policy; fp16-mixed (loss scaling) is refused with its reason. Accumulation:
+    # shard_data gives each step's micro-batches, the Model scans them and reduces once.
+    from .precision import REFUSED, RUNS
+
+    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES, precisions=RUNS,
+                           precision_reasons=REFUSED, accumulation=True, **runtime)
 
 
 # -- registration ------------------------------------------------------------------------------
@@ -99,8 +105,10 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: 
                         kwargs: dict, timeout: float | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
     ``jax.distributed``; only on the JAX runtime."""
+    from . import precision
     from .launch import launch_processes
 
+    precision.check(strategy.precision, "launch()")  # what the capabilities cannot say, before any process
     return launch_processes(fn, nprocs, args=args, kwargs=kwargs,
                             timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout))
 
@@ -119,7 +127,7 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
         return None
     from .runtime import runtime_for
 
-    return ShardedArrays(data, runtime_for(strategy, session), policy, strategy.seed)
+    return ShardedArrays(data, runtime_for(strategy, session), policy, strategy.seed, strategy.accumulate)
 
 
 @pp.hookimpl
@@ -134,10 +142,14 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
     unknown = set(options) - {"plan"}
     if unknown:
         raise TypeError(f"wrap_model() of an NNX module takes plan= only. Received: {sorted(unknown)}.")
+    from . import precision
     from .ops import wrap_model
     from .runtime import runtime_for
 
-    return wrap_model(runtime_for(strategy, session), model, options.get("plan"))
+    precision.check(strategy.precision, "wrap_model()")
+    dtypes = precision.dtypes(strategy.precision)
+    return wrap_model(runtime_for(strategy, session), model, options.get("plan"),
+                      *((dtypes.param, dtypes.optimizer) if dtypes is not None else ()))
 
 
 @pp.hookimpl
