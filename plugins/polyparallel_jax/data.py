@@ -21,7 +21,7 @@ import polyparallel as pp
 
 from .runtime import JaxRuntime
 
-__all__ = ["Batch", "DataError", "ShardedArrays", "is_host_data", "shard_order"]
+__all__ = ["Batch", "DataError", "ShardedArrays", "host_rows", "is_host_data", "shard_order", "validation_rows"]
 
 
 class DataError(pp.PolyparallelError, ValueError):
@@ -216,3 +216,35 @@ def _unflatten(structure: Any, arrays: Sequence[Any]) -> Any:
     if kind == "dict":
         return dict(zip(info, arrays))
     return tuple(arrays) if kind == "tuple" else list(arrays)
+
+
+def host_rows(x: Any) -> np.ndarray:
+    """``x`` as a host array, refused when it is an iterator, a dataset or a mapping (rows that
+    the strategy could not shard)."""
+    from .surface import refusal
+
+    if isinstance(x, (np.ndarray, list, tuple)) or hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise TypeError(f"{refusal('fit(x=<iterator or dataset>)')} Received: {type(x).__name__}.")
+
+
+def validation_rows(x: Any, y: Any, data: Any, split: float, freq: int) -> tuple[np.ndarray, np.ndarray, Any]:
+    """``(x, y, validation_data)`` after ``validation_split`` (Keras: the last rows, before any
+    shuffling), every argument checked before anything runs."""
+    x, y = host_rows(x), host_rows(y)
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"fit(validation_freq=) must be a positive int (validate every N epochs). Received: {freq!r}.")
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
+        raise ValueError(f"fit(validation_split=) must be a fraction in [0, 1). Received: {split!r}.")
+    if data is not None:
+        if split:
+            raise ValueError("fit() takes validation_data= or validation_split=, not both.")
+        if not isinstance(data, (tuple, list)) or len(data) != 2:
+            raise ValueError(f"fit(validation_data=) must be (x_val, y_val). Received: {type(data).__name__}.")
+        return x, y, (host_rows(data[0]), host_rows(data[1]))
+    if not split:
+        return x, y, None
+    held = int(len(x) * split)
+    if held < 1 or held >= len(x):
+        raise ValueError(f"fit(validation_split={split}) of {len(x)} rows holds out {held}; it must leave rows on both sides.")
+    return x[:-held], y[:-held], (x[-held:], y[-held:])

@@ -23,7 +23,7 @@ import polyparallel as pp
 
 from . import precision as _precision
 
-__all__ = ["DATA", "Plain", "build", "split_state"]
+__all__ = ["DATA", "Plain", "average", "build", "run_epoch", "split_state", "weighted"]
 
 DATA = "data"
 
@@ -189,3 +189,51 @@ def build(graphdef: Any, strategy: pp.Strategy | None, runtime: Any, loss_fn: An
         _, _, _, metrics, predictions = mapped(params, stats, rest, x, y, mask)
         return metrics, predictions
     return jax.jit(eval_step)
+
+
+def weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:
+    """Per-batch metric means (host values) weighted by their real rows: the mean over every row."""
+    total = sum(c for _, c in host)
+    if not host or total == 0:
+        return {}
+    return {name: float(sum(float(m[name]) * c for m, c in host) / total) for name in host[0][0]}
+
+
+_AVERAGE: Any = None  # the jitted mean, built on first use (jax is imported lazily)
+
+
+def average(stacked: Any) -> Any:
+    """The mean over the leading (data) axis of per-device statistics."""
+    global _AVERAGE
+    if _AVERAGE is None:
+        import jax
+        import jax.numpy as jnp
+
+        # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
+        _AVERAGE = jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))
+    return _AVERAGE(stacked)
+
+
+def run_epoch(step: Any, data: Any, epoch: int, first: int, state: tuple[Any, ...], results: list[Any],
+              sync_every: int, bar: Any, after_step: Any) -> tuple[Any, ...]:
+    """Drive the train ``step`` over ``data``'s batches of ``epoch`` from batch ``first``:
+    ``state`` is ``(params, stats, rest, opt_state)`` (donated, so only the returned one is
+    valid); each step's ``(metrics, real rows)`` goes to ``results``; one wait every
+    ``sync_every`` steps bounds the queue of collective steps (several CPU devices in one
+    process deadlock past ~35 queued); ``after_step(state)`` runs after every step but the
+    epoch's last (``fit(checkpoint_every=)``)."""
+    import jax
+
+    pending = None
+    for i, batch in enumerate(data.batches(epoch, start=first), start=first):
+        bx, by = batch.data
+        *state, metrics = step(*state, bx, by, batch.mask)
+        results.append((metrics, batch.count))  # real rows: padding has mask 0
+        if (i + 1) % sync_every == 0:
+            if pending is not None:
+                jax.block_until_ready(pending)
+                bar.update(i, pending)
+            pending = metrics
+        if i + 1 < len(data):
+            after_step(tuple(state))
+    return tuple(state)
