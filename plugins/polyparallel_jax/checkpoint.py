@@ -36,12 +36,14 @@ from polyparallel import _checkpoints as core
 from .partition import path_name
 
 __all__ = ["CheckpointError", "MARKER", "check_leaves", "committed", "flatten", "read_metadata", "restore",
-           "restore_trees", "shapes", "stored_leaves", "tree_arrays", "write"]
+           "restore_trees", "shapes", "stored_leaves", "tree_arrays", "write", "TIMEOUT"]
 
 #: The commit marker (and metadata): a checkpoint directory is loadable only when it holds it.
 MARKER = core.MARKER
 STATE = "state"
 CheckpointError = pp.CheckpointError
+#: Seconds a process waits for the others at each agreement of a save (without a strategy's timeout).
+TIMEOUT = 300.0
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -83,14 +85,16 @@ def _unnest(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # -- writing -------------------------------------------------------------------------------------
 
 
-def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> str:
+def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any], timeout: float = TIMEOUT) -> str:
     """Write ``arrays`` (name -> ``jax.Array``) and ``metadata`` as a committed checkpoint at
     ``path`` (an earlier checkpoint there is replaced; any other existing path is refused).
 
     Every process calls it (each writes its own shards); process 0 writes the marker and
     publishes the directory; no process returns before it is published. Should process 0 fail
     to commit, it raises its error and every other process :class:`polyparallel.CheckpointError`
-    (none waits for a commit that will not come). Returns the path.
+    (none waits for a commit that will not come). Returns the path. The agreements between
+    processes (the staging name, the barrier after the shards, the commit's outcome) wait at most
+    ``timeout`` seconds each and are recorded in the collective trace.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -99,13 +103,13 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     if os.path.lexists(path) and not committed(path):
         raise CheckpointError(f"Cannot save at {path!r}: it exists and is not a polyparallel checkpoint; a save "
                               "replaces only an earlier checkpoint. Choose another path, or remove it first.")
-    staging = core.staging_path(path, _token())
+    staging = core.staging_path(path, _token(timeout))
     checkpointer = ocp.PyTreeCheckpointer()  # synchronous: the commit below comes after every write
     try:
         checkpointer.save(os.path.join(staging, STATE), args=ocp.args.PyTreeSave(_nest(arrays)))
     finally:
         checkpointer.close()
-    _barrier("polyparallel_jax.checkpoint.written")
+    _barrier("polyparallel_jax.checkpoint.written", timeout)
     failure: Exception | None = None
     if jax.process_index() == 0:
         try:
@@ -113,7 +117,7 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
             core.publish(staging, path)
         except Exception as exc:  # told to every process below, so none waits for a commit that failed
             failure = exc
-    if not _everyone_knows(failure is None):
+    if not _everyone_knows(failure is None, timeout):
         if failure is not None:
             raise failure  # process 0: its own error, the most precise
         raise CheckpointError(
@@ -123,7 +127,16 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     return path
 
 
-def _everyone_knows(ok: bool) -> bool:
+def _across(operation: str, fn: Any, timeout: float) -> Any:
+    """A process-level collective of saving, bounded and recorded (:func:`polyparallel_jax.ops.bounded`)."""
+    import jax
+
+    from .ops import bounded
+
+    return bounded(fn, timeout=timeout, operation=operation, axis="world", rank=jax.process_index())
+
+
+def _everyone_knows(ok: bool, timeout: float = TIMEOUT) -> bool:
     """Process 0's ``ok`` in every process (the barrier after the commit, with its outcome)."""
     import jax
 
@@ -131,10 +144,11 @@ def _everyone_knows(ok: bool) -> bool:
         return ok
     from jax.experimental import multihost_utils
 
-    return bool(multihost_utils.broadcast_one_to_all(np.int32(1 if ok else 0)))
+    return bool(_across("save_checkpoint (commit outcome)",
+                        lambda: multihost_utils.broadcast_one_to_all(np.int32(1 if ok else 0)), timeout))
 
 
-def _token() -> str:
+def _token(timeout: float = TIMEOUT) -> str:
     # The staging directory's name must be the same in every process: process 0's random token.
     import jax
 
@@ -142,17 +156,19 @@ def _token() -> str:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        token = int(multihost_utils.broadcast_one_to_all(np.int64(token)))
+        token = int(_across("save_checkpoint (staging name)",
+                            lambda: multihost_utils.broadcast_one_to_all(np.int64(token)), timeout))
     return f"{token:016x}"
 
 
-def _barrier(name: str) -> None:
+def _barrier(name: str, timeout: float = TIMEOUT) -> None:
     import jax
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        multihost_utils.sync_global_devices(name)
+        _across(f"save_checkpoint ({name.rpartition('.')[2]})", lambda: multihost_utils.sync_global_devices(name),
+                timeout)
 
 
 # -- reading -------------------------------------------------------------------------------------

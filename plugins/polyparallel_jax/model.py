@@ -336,7 +336,6 @@ class Model:
 
     def _run_eval(self, arrays: Any, batch_size: int, strategy: Any, verbose: int, need_predictions: bool = False) -> Any:
         import jax
-        from jax.experimental import multihost_utils
 
         self._place(strategy)
         self._finish_local_stats()
@@ -352,8 +351,8 @@ class Model:
             results.append(metrics)
             counts.append(batch.count)
             if need_predictions:
-                if not predictions.is_fully_addressable:
-                    predictions = multihost_utils.process_allgather(predictions, tiled=True)
+                if not predictions.is_fully_addressable:  # several processes: bounded, traced
+                    predictions = self._gather_predictions(predictions)
                 outputs.append((np.asarray(predictions), batch.indices))
             if (i + 1) % self.sync_every == 0:
                 jax.block_until_ready(metrics)
@@ -369,6 +368,16 @@ class Model:
                 out = np.zeros((data.num_samples, *predictions.shape[1:]), predictions.dtype)
             out[indices] = predictions  # padding rows repeat a real index with the same value
         return values, out
+
+    def _gather_predictions(self, predictions: Any) -> Any:
+        from jax.experimental import multihost_utils
+
+        from .ops import bounded, describe
+
+        strategy, runtime, _ = self._placement
+        rank = strategy.session().rank if strategy is not None else 0
+        return bounded(lambda: multihost_utils.process_allgather(predictions, tiled=True), timeout=runtime.timeout,
+                       operation="predict", axis=DATA, rank=rank, detail=describe(predictions))
 
     # -- state ---------------------------------------------------------------------------------
     def _remainder(self) -> str:

@@ -71,8 +71,10 @@ def _varies_over_data(x: Any) -> bool:
     return DATA in vma
 
 
-def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str, rank: int) -> Any:
-    """Run a blocking cross-process collective, failing after ``timeout`` seconds.
+def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str, rank: int, detail: str = "") -> Any:
+    """Run a blocking cross-process collective, failing after ``timeout`` seconds, recorded in
+    the process's collective trace (:mod:`polyparallel._trace`: one entry, ``done`` or
+    ``failed``; the trace is written to its directory when one fails).
 
     XLA collectives wait forever for a peer that skipped them; the wait runs in a daemon thread
     so this process can raise :class:`polyparallel.CollectiveTimeout` naming the operation, axis
@@ -80,6 +82,10 @@ def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str,
     """
     import jax
 
+    from polyparallel._errors import exception_summary
+
+    recorder = _recorder()
+    entry = recorder.enter(operation, axis, None, detail, skip=3) if recorder is not None else None
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -92,21 +98,54 @@ def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str,
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise pp.CollectiveTimeout(
+        error = pp.CollectiveTimeout(
             f"{operation} over axis {axis!r} timed out after {timeout:g} s on rank {rank} (JAX process "
             f"{jax.process_index()} of {jax.process_count()}): a peer process did not join the collective. "
             "Every process must call the operation the same number of times; raise Strategy(timeout=) if "
             "the peers are only slow.", operation=operation, axis=axis, rank=rank)
+        _failed(recorder, entry, f"timed out after {timeout:g} s", str(error).splitlines()[0])
+        raise error
     if "error" in box:
+        _failed(recorder, entry, exception_summary(box["error"]), f"{operation} failed")
         raise box["error"]
+    if recorder is not None:
+        recorder.finish(entry)
     return box["value"]
+
+
+def _recorder() -> Any:
+    """This process's trace recorder, its rank and world set to this JAX process's (a trace file
+    is one process: ``rank<process index>.jsonl``); ``None`` when tracing is off."""
+    import jax
+
+    from polyparallel import _trace
+
+    recorder = _trace.get_recorder()
+    if recorder is not None:
+        recorder.rank, recorder.world_size = jax.process_index(), jax.process_count()
+    return recorder
+
+
+def _failed(recorder: Any, entry: Any, why: str, reason: str) -> None:
+    if recorder is not None:
+        recorder.finish(entry, why)
+        recorder.dump(reason, failed=True)
+
+
+def describe(tree: Any) -> str:
+    """A cheap summary of a tree's arrays for the trace: ``3 arrays: float32[8], int32[]...``."""
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    shown = ", ".join(f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}" for x in leaves[:4])
+    return f"{len(leaves)} array(s): {shown}{', ...' if len(leaves) > 4 else ''}"
 
 
 def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
     from jax.experimental import multihost_utils
 
     return bounded(lambda: multihost_utils.process_allgather(tree), timeout=runtime.timeout,
-                   operation=operation, axis=DATA, rank=rank)
+                   operation=operation, axis=DATA, rank=rank, detail=describe(tree))
 
 
 # -- wrap_model -------------------------------------------------------------------------------

@@ -31,8 +31,11 @@ import polyparallel as pp
 #: The runtime name this plugin answers for.
 RUNTIME = "jax"
 
+# collective_trace: the host-side collectives between processes (reduce_metrics/sync_states/predict
+# gathers, checkpoint agreements) are recorded in polyparallel's trace (ops.bounded), and
+# launch(trace_dir=) writes every process's (launch.py).
 FEATURES = frozenset({"shard_map", "gspmd_tensor_parallel", "partition_rules", "sync_batch_stats",
-                      "multi_process", "collective_timeout", "elegy_model"})
+                      "multi_process", "collective_timeout", "elegy_model", "collective_trace"})
 
 
 def _jax_loaded() -> bool:
@@ -102,7 +105,7 @@ def polyparallel_process_info(runtime: str | None) -> pp.ProcessInfo | None:
 
 @pp.hookimpl(tryfirst=True)
 def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple,
-                        kwargs: dict, timeout: float | None) -> list[Any] | None:
+                        kwargs: dict, timeout: float | None, trace_dir: str | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
     ``jax.distributed``; only on the JAX runtime."""
     from . import precision
@@ -110,7 +113,8 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: 
 
     precision.check(strategy.precision, "launch()")  # what the capabilities cannot say, before any process
     return launch_processes(fn, nprocs, args=args, kwargs=kwargs,
-                            timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout))
+                            timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout),
+                            trace_dir=trace_dir)
 
 
 # -- the five operations -----------------------------------------------------------------------

@@ -314,7 +314,16 @@ def test_a_commit_failing_on_process_0_fails_every_process_without_waiting(tmp_p
 
     tests = str(Path(__file__).parents[1])  # the processes import this module as jax_plugin.test_checkpoint
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120)
+    trace = tmp_path / "trace"
+    first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120,
+                                     trace_dir=str(trace))
     assert first.startswith("OSError") and "No space left" in first, first
     assert second.startswith("CheckpointError") and "failed on process 0" in second, second
     assert not os.path.exists(tmp_path / "step-1")
+    # The save's agreements between processes are bounded and recorded in each process's trace.
+    from polyparallel import _trace_report
+
+    for recorded in _trace_report.read_dir(str(trace)).values():
+        assert [(e["operation"], e["axis"], e["state"]) for e in recorded["entries"]] == [
+            ("save_checkpoint (staging name)", "world", "done"), ("save_checkpoint (written)", "world", "done"),
+            ("save_checkpoint (commit outcome)", "world", "done")]
