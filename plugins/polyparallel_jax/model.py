@@ -61,15 +61,13 @@ from . import precision, saving, steps, surface
 from .data import ShardedArrays, host_rows, validation_rows
 from .progress import ProgressBar
 from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
-from .steps import DATA, split_state
+from .steps import DATA
 
 __all__ = ["Model"]
 
 #: Where a Model's state lives: (strategy or None for one device, its runtime, the wrapped module or None).
 _Placement = tuple[pp.Strategy | None, JaxRuntime, Any]
 
-#: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
-_STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
 
 
 class Model:
@@ -169,23 +167,10 @@ class Model:
         """``nnx.split`` of the module configured for this step: train/eval mode, and BatchNorm
         synchronised over ``data`` for the ``mean`` policy. The configuration lives in the
         graphdef (static attributes); the user's module gets its own attributes back."""
-        from flax import nnx
-
         strategy = self._placed[0] if self._placed else None
         # Synchronised BatchNorm (global batch statistics) for the "mean" policy.
         sync = strategy is not None and train and self._stats_action(strategy) == "mean"
-        saved = [(sub, {name: vars(sub)[name] for name in _STEP_ATTRIBUTES if name in vars(sub)})
-                 for _, sub in nnx.iter_modules(self.module)]
-        try:
-            for _, sub in nnx.iter_modules(self.module):
-                if isinstance(sub, nnx.BatchNorm):
-                    sub.axis_name = DATA if sync else None
-            self.module.train() if train else self.module.eval()
-            return split_state(self.module)
-        finally:
-            for sub, attributes in saved:
-                for name, value in attributes.items():
-                    setattr(sub, name, value)
+        return steps.split_configured(self.module, train, sync)
 
     @staticmethod
     def _stats_action(strategy: pp.Strategy) -> str:
@@ -370,14 +355,10 @@ class Model:
         return values, out
 
     def _gather_predictions(self, predictions: Any) -> Any:
-        from jax.experimental import multihost_utils
-
-        from .ops import bounded, describe
+        from .ops import gather_rows
 
         strategy, runtime, _ = self._placement
-        rank = strategy.session().rank if strategy is not None else 0
-        return bounded(lambda: multihost_utils.process_allgather(predictions, tiled=True), timeout=runtime.timeout,
-                       operation="predict", axis=DATA, rank=rank, detail=describe(predictions))
+        return gather_rows(predictions, runtime, "predict", strategy.session().rank if strategy is not None else 0)
 
     # -- state ---------------------------------------------------------------------------------
     def _remainder(self) -> str:

@@ -25,7 +25,7 @@ from .partition import param_specs, path_name
 from .runtime import JaxRuntime
 
 __all__ = [
-    "ShardedModule", "bounded", "collection_name", "inside_data_axis", "is_jax_tree", "reduce_metrics",
+    "ShardedModule", "bounded", "collection_name", "describe", "gather_rows", "inside_data_axis", "is_jax_tree", "reduce_metrics",
     "sync_grads", "sync_states", "wrap_model",
 ]
 
@@ -146,6 +146,15 @@ def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int)
 
     return bounded(lambda: multihost_utils.process_allgather(tree), timeout=runtime.timeout,
                    operation=operation, axis=DATA, rank=rank, detail=describe(tree))
+
+
+def gather_rows(array: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
+    """A global array spanning several processes as one host-side array in every process
+    (rows in order), bounded and traced."""
+    from jax.experimental import multihost_utils
+
+    return bounded(lambda: multihost_utils.process_allgather(array, tiled=True), timeout=runtime.timeout,
+                   operation=operation, axis=DATA, rank=rank, detail=describe(array))
 
 
 # -- wrap_model -------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import polyparallel as pp
 
 from . import precision as _precision
 
-__all__ = ["DATA", "Plain", "average", "build", "run_epoch", "split_state", "weighted"]
+__all__ = ["DATA", "Plain", "average", "build", "run_epoch", "split_configured", "split_state", "weighted"]
 
 DATA = "data"
 
@@ -35,6 +35,30 @@ def split_state(module: Any) -> tuple[Any, Any, Any, Any]:
     graphdef, params, *states = nnx.split(module, nnx.Param, nnx.BatchStat, ...)
     stats, rest = states  # three filters, so exactly two more states (flax's type says "any number")
     return graphdef, params, stats, rest
+
+
+#: Static module attributes a step sets for itself (:func:`split_configured`), and gives back afterwards.
+STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
+
+
+def split_configured(module: Any, train: bool, sync: bool) -> tuple[Any, Any, Any, Any]:
+    """:func:`split_state` of ``module`` configured for a step: train or eval mode, BatchNorm
+    synchronised over ``data`` when ``sync``. The configuration lives in the graphdef (static
+    attributes); the user's module gets its own attributes back."""
+    from flax import nnx
+
+    saved = [(sub, {name: vars(sub)[name] for name in STEP_ATTRIBUTES if name in vars(sub)})
+             for _, sub in nnx.iter_modules(module)]
+    try:
+        for _, sub in nnx.iter_modules(module):
+            if isinstance(sub, nnx.BatchNorm):
+                sub.axis_name = DATA if sync else None
+        module.train() if train else module.eval()
+        return split_state(module)
+    finally:
+        for sub, attributes in saved:
+            for name, value in attributes.items():
+                setattr(sub, name, value)
 
 
 class Plain:

@@ -145,7 +145,7 @@ def test_precision_32_equals_no_precision_at_float32(jax_strategy):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("name", ["bf16-mixed", pytest.param("bf16-true", marks=pytest.mark.slow)])
 def test_bfloat16_at_data2_equals_one_process_within_the_stated_tolerance(name):
     # Both runs in processes of their own: 2 CPU devices at data=2, 1 device at data=1, the
     # same precision, global batch, data order and seed; BatchNorm synchronised.
