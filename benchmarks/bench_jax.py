@@ -1,11 +1,38 @@
-"""Model.fit under a polyparallel Strategy vs a hand-written ``jax.jit`` data-parallel step.
+"""Model.fit under a polyparallel Strategy against the same program written by hand.
 
-Both run the same MLP on the same mesh (8 CPU devices, data=8) in one process, side by side and
-interleaved (A B A B ...), with host batches transferred every step in both; the table shows the
-median step time of each and their ratio hand-written / fit (> 1 means polyparallel is faster, as
-in bench_torch and bench_ignite).
+    python benchmarks/bench_jax.py [--quick] [--launches N] [--steps S] [--json out.json]
 
-    python benchmarks/bench_jax.py [--quick] [--steps 200] [--repeats 5] [--json out.json]
+One MLP (256 -> 512 -> 512 -> 10, Adam), global batch 256, data=8 over 8 CPU devices in one
+process, in float32 and in bf16-mixed. Sides, run interleaved (A B C A' ...) in every launch:
+
+- ``Model.fit``: ``Model.fit(strategy=Strategy(data=8, precision=...))``, shuffle off;
+- ``hand shard_map``: what fit runs, written by hand: one ``jax.jit`` of a ``shard_map`` over
+  ``data`` taking per-device copies of the parameters (``pcast``), a masked, count-weighted loss,
+  one ``pmean`` of the gradients, one ``psum`` of the row count and of the metric sums, the Adam
+  update with donated buffers; under bf16-mixed the parameters and inputs cast to bfloat16
+  inside, the loss on float32 predictions, the reduction in float32. Its host side is fit's: the
+  rows of each data coordinate gathered, with a mask, into ``make_array_from_process_local_data``
+  every step, and one wait every 4 steps;
+- ``hand shard_map again``: the same hand-written side a second time: the same-vs-same control
+  (its ratio to the first is the noise of the measurement);
+- ``GSPMD jit``: the usual hand-written ``jax.jit`` of the global mean loss on a batch sharded
+  ``P("data")``, where XLA's partitioner inserts the gradient reduction: a second, different
+  program (see ``explain`` below), kept as a labelled comparison.
+
+Each of ``--launches`` fresh processes times every side ``--repeats`` times (median per side)
+and reports ratios other/fit; the table gives median and spread (min, max) over the launches.
+Ratios > 1 mean Model.fit is faster. ``explain`` lists, for each compiled program, its
+all-reduce instructions and its transposes/copies with the bytes they touch.
+
+Why GSPMD's program differs (the earlier version of this benchmark, with only the GSPMD row,
+showed Model.fit 1.32x *faster* than it): both programs have the same gradient all-reduce (one,
+combined, the same bytes), but in GSPMD's the gradient of each kernel comes out of the
+partitioned dot in the transposed layout, so the Adam update computes both moments there and
+transposes and copies them back into the state's layout: 6 transposes and 6 copies of
+kernel-sized arrays a step (about 2 x the parameters' bytes, twice) that the shard_map program,
+whose gradients leave the ``shard_map`` in the parameters' layout, does not do. Against the
+program it runs, written by hand, fit is not faster: its ratio is the cost of its host side
+(ShardedArrays' batches and masks, the history) and of its dispatch.
 """
 
 from __future__ import annotations
@@ -18,106 +45,256 @@ os.environ["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\d+",
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P
 
-import polyparallel as pp  # noqa: E402
-import polyparallel_jax.plugin  # noqa: E402
-from polyparallel_jax import Model  # noqa: E402
+DEVICES, FEATURES, CLASSES, SYNC_EVERY = 8, 256, 10, 4
+PRECISIONS = ("32", "bf16-mixed")
+SIDES = ("fit", "shard_map", "shard_map_again", "gspmd")
 
 
-def make_module() -> nnx.Module:
-    return nnx.Sequential(nnx.Linear(256, 512, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(512, 512, rngs=nnx.Rngs(1)),
-                          nnx.relu, nnx.Linear(512, 10, rngs=nnx.Rngs(2)))
+def make_module() -> Any:
+    from flax import nnx
+
+    return nnx.Sequential(nnx.Linear(FEATURES, 512, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(512, 512, rngs=nnx.Rngs(1)),
+                          nnx.relu, nnx.Linear(512, CLASSES, rngs=nnx.Rngs(2)))
 
 
-def hand_written(x: np.ndarray, y: np.ndarray, batch: int, steps: int, sync_every: int) -> float:
-    """The usual hand-written data-parallel loop: replicated params, batch sharded P('data')."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-    graphdef, params = nnx.split(make_module(), nnx.Param)
-    params = jax.device_put(params, NamedSharding(mesh, P()))
-    tx = optax.adam(1e-3)
-    opt_state = jax.jit(tx.init)(params)
-    data_sharding = NamedSharding(mesh, P("data"))
+def _strategy(precision: str) -> Any:
+    import polyparallel as pp
+    import polyparallel_jax.plugin
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))  # donation, as Model.fit does
-    def step(params, opt_state, xb, yb):
-        def loss(p):
-            logits = nnx.merge(graphdef, p)(xb)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+    pm = pp.PluginManager(autoload=False)
+    pm.register(polyparallel_jax.plugin, name="jax")
+    return pp.Strategy(data=DEVICES, runtime="jax", plugin_manager=pm, precision=precision)
 
-    def epoch(n_steps: int) -> None:
-        nonlocal params, opt_state
-        pending = None
-        for i in range(n_steps):
-            start = (i * batch) % (len(x) - batch + 1)
-            # The same host -> device path Model.fit uses (one process: local rows = global rows).
-            xb = jax.make_array_from_process_local_data(data_sharding, x[start:start + batch])
-            yb = jax.make_array_from_process_local_data(data_sharding, y[start:start + batch])
-            params, opt_state, value = step(params, opt_state, xb, yb)
-            if (i + 1) % sync_every == 0:  # the same deadlock guard as Model.fit
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+class Fit:
+    """``Model.fit`` for ``steps`` steps (compiled by a first, short fit)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, steps: int, precision: str):
+        import optax
+
+        from polyparallel_jax import Model
+
+        self.model = Model(make_module(), loss="cross_entropy", optimizer=optax.adam(1e-3), sync_every=SYNC_EVERY)
+        self.x, self.y, self.batch, self.steps = x[:steps * batch], y[:steps * batch], batch, steps
+        self.model.fit(x[:4 * batch], y[:4 * batch], batch_size=batch, strategy=_strategy(precision), verbose=0,
+                       shuffle=False)
+
+    def run(self) -> float:
+        begin = time.perf_counter()
+        self.model.fit(self.x, self.y, batch_size=self.batch, verbose=0, shuffle=False)
+        return (time.perf_counter() - begin) / self.steps * 1e3
+
+    def hlo(self) -> str:
+        model = self.model
+        _, params, stats, rest = model._split(train=True)
+        batch = next(iter(model._data((self.x, self.y), self.batch, False, "pad", None).batches(0)))
+        return model._step(True).lower(params, stats, rest, model._opt_state, *batch.data, batch.mask).compile().as_text()
+
+
+class Hand:
+    """The hand-written loop around a jitted step ``(params, opt_state, x, y, mask) -> (params,
+    opt_state, metrics)``, fed like fit: per-coordinate rows, a mask, one wait every 4 steps."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, steps: int, precision: str, kind: str):
+        import jax
+        import optax
+        from flax import nnx
+        from jax.sharding import AxisType, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(AxisType.Auto,))
+        graphdef, params = nnx.split(make_module(), nnx.Param)
+        self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+        tx = optax.adam(1e-3)
+        self.opt_state = jax.jit(tx.init)(self.params)
+        self.rows = NamedSharding(self.mesh, P("data"))
+        self.x, self.y, self.batch, self.steps = x, y, batch, steps
+        # The rows of each data coordinate, as fit's shard_data takes them (shuffle off).
+        self.order = [np.arange(d, steps * batch, DEVICES) for d in range(DEVICES)]
+        step = (shard_map_step if kind == "shard_map" else gspmd_step)(graphdef, tx, self.mesh, precision)
+        self.step = jax.jit(step, donate_argnums=(0, 1))
+        self.run(warm=4)  # compile
+
+    def _batches(self, n: int) -> Any:
+        import jax
+
+        per = self.batch // DEVICES
+        for i in range(n):
+            rows = np.concatenate([shard[i * per:(i + 1) * per] for shard in self.order])
+            mask = np.ones(len(rows), np.float32)
+            yield [jax.make_array_from_process_local_data(self.rows, a) for a in (self.x[rows], self.y[rows], mask)]
+
+    def run(self, warm: int = 0) -> float:
+        import jax
+
+        steps = warm or self.steps
+        begin = time.perf_counter()
+        pending, results = None, []
+        for i, (xb, yb, mb) in enumerate(self._batches(steps)):
+            self.params, self.opt_state, metrics = self.step(self.params, self.opt_state, xb, yb, mb)
+            results.append(metrics)
+            if (i + 1) % SYNC_EVERY == 0:  # the same deadlock guard as Model.fit
                 if pending is not None:
                     jax.block_until_ready(pending)
-                pending = value
-        jax.block_until_ready(value)
+                pending = metrics
+        jax.device_get(results)
+        return (time.perf_counter() - begin) / steps * 1e3
 
-    epoch(4)  # compile
-    begin = time.perf_counter()
-    epoch(steps)
-    return (time.perf_counter() - begin) / steps * 1e3
+    def hlo(self) -> str:
+        xb, yb, mb = next(iter(self._batches(1)))
+        return self.step.lower(self.params, self.opt_state, xb, yb, mb).compile().as_text()
 
 
-def with_strategy(x: np.ndarray, y: np.ndarray, batch: int, steps: int, strategy: pp.Strategy) -> float:
-    model = Model(make_module(), loss="cross_entropy", optimizer=optax.adam(1e-3))
-    n = steps * batch
-    model.fit(x[: 4 * batch], y[: 4 * batch], epochs=1, batch_size=batch, strategy=strategy, verbose=0, shuffle=False)
-    begin = time.perf_counter()
-    model.fit(x[:n], y[:n], epochs=1, batch_size=batch, verbose=0, shuffle=False)
-    return (time.perf_counter() - begin) / steps * 1e3
+def _loss_sums(graphdef: Any, params: Any, x: Any, y: Any, mask: Any, precision: str) -> Any:
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    if precision == "bf16-mixed":
+        params, x = _cast(params, jnp.bfloat16), x.astype(jnp.bfloat16)
+    logits = nnx.merge(graphdef, params)(x).astype(jnp.float32)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, y) * mask)
+
+
+def shard_map_step(graphdef: Any, tx: Any, mesh: Any, precision: str) -> Any:
+    """Model.fit's program by hand: local gradients, one pmean, one psum of counts and sums."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    def per_device(params: Any, x: Any, y: Any, mask: Any) -> Any:
+        total = jax.lax.psum(jnp.sum(mask), "data")
+        scale = jax.lax.axis_size("data") / jnp.maximum(total, 1)
+        local = jax.lax.pcast(params, "data", to="varying")
+        loss_sum, grads = jax.value_and_grad(lambda p: _loss_sums(graphdef, p, x, y, mask, precision) * scale)(local)
+        grads = jax.lax.pmean(grads, "data")
+        loss = jax.lax.psum(loss_sum / scale, "data") / total
+        return grads, loss
+
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data"), P("data")), out_specs=(P(), P()))
+
+    def step(params: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
+        grads, loss = mapped(params, x, y, mask)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
+def gspmd_step(graphdef: Any, tx: Any, mesh: Any, precision: str) -> Any:
+    """The usual data-parallel jit: the global masked mean loss, GSPMD inserts the reductions."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def step(params: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
+        def loss(p: Any) -> Any:
+            return _loss_sums(graphdef, p, x, y, mask, precision) / jnp.maximum(jnp.sum(mask), 1)
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": value}
+
+    return step
+
+
+def program(hlo: str) -> dict[str, list[int]]:
+    """What a compiled program does that the others may not: its all-reduce instructions and
+    its transposes/copies (layout changes), each as [count, bytes]."""
+    sizes = {"f32": 4, "bf16": 2, "s32": 4, "f16": 2, "pred": 1}
+    out = {"all-reduce": [0, 0], "transpose/copy": [0, 0]}
+    for line in hlo.splitlines():
+        match = re.search(r"= (.*?) (all-reduce|all-reduce-start|transpose|copy)\(", line)
+        if match:
+            key = "all-reduce" if match.group(2).startswith("all-reduce") else "transpose/copy"
+            out[key][0] += 1
+            for dtype, dims in re.findall(r"(f32|bf16|s32|f16|pred)\[([\d,]*)\]", match.group(1)):
+                out[key][1] += sizes[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return out
+
+
+def worker(steps: int, batch: int, repeats: int) -> dict[str, Any]:
+    """One launch: every side of every precision, interleaved; median step time per side."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(steps * batch, FEATURES)).astype(np.float32)
+    y = rng.integers(0, CLASSES, len(x)).astype(np.int32)
+    out: dict[str, Any] = {}
+    for precision in PRECISIONS:
+        sides = {"fit": Fit(x, y, batch, steps, precision),
+                 "shard_map": Hand(x, y, batch, steps, precision, "shard_map"),
+                 "shard_map_again": Hand(x, y, batch, steps, precision, "shard_map"),
+                 "gspmd": Hand(x, y, batch, steps, precision, "gspmd")}
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for r in range(repeats):
+            names = list(sides)[r % len(sides):] + list(sides)[:r % len(sides)]  # rotate who goes first
+            for name in names:
+                times[name].append(sides[name].run())
+        out[precision] = {"ms": {name: statistics.median(t) for name, t in times.items()},
+                          "explain": {name: program(sides[name].hlo()) for name in ("fit", "shard_map", "gspmd")}}
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    values = sorted(values)
+    return f"{statistics.median(values):.3f}x (min {values[0]:.3f}, max {values[-1]:.3f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (a smoke run)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 200, 40 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="2 launches of 20 steps x 2 repeats (a smoke run)")
+    parser.add_argument("--launches", type=int, default=None, help="fresh processes (default 10, 2 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per timed run (default 100, 20 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs of each side per launch (default 5)")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=None, help="runs of each side (default 5, 2 with --quick)")
     parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps is None:
-        args.steps = 40 if args.quick else 200
-    if args.repeats is None:
-        args.repeats = 2 if args.quick else 5
-    pm = pp.PluginManager(autoload=False)
-    pm.register(polyparallel_jax.plugin, name="jax")
-    strategy = pp.Strategy(data=8, plugin_manager=pm)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.steps * args.batch_size, 256)).astype(np.float32)
-    y = rng.integers(0, 10, len(x)).astype(np.int32)
-    ours, theirs = [], []
-    for _ in range(args.repeats):
-        theirs.append(hand_written(x, y, args.batch_size, args.steps, 4))
-        ours.append(with_strategy(x, y, args.batch_size, args.steps, strategy))
-    fit_ms, jit_ms = statistics.median(ours), statistics.median(theirs)
-    result = {"devices": jax.device_count(), "topology": "data=8", "batch_size": args.batch_size, "steps": args.steps,
-              "repeats": args.repeats, "model_fit_ms": fit_ms, "hand_jit_ms": jit_ms, "ratio": jit_ms / fit_ms,
-              "model_fit_all_ms": ours, "hand_jit_all_ms": theirs}
-    print(f"{'implementation':<32}{'step time (ms, median)':>24}")
-    print(f"{'hand-written jax.jit (GSPMD)':<32}{jit_ms:>24.3f}")
-    print(f"{'Model.fit(strategy=data=8)':<32}{fit_ms:>24.3f}")
-    print(f"{'ratio hand-written / fit':<32}{jit_ms / fit_ms:>24.3f}  (> 1: polyparallel faster)")
+    steps = args.steps or (20 if args.quick else 100)
+    repeats = args.repeats or (2 if args.quick else 5)
+    if args.worker:
+        print(json.dumps(worker(steps, args.batch_size, repeats)))
+        return
+    launches = args.launches or (2 if args.quick else 10)
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(steps), "--repeats", str(repeats),
+               "--batch-size", str(args.batch_size)]
+    runs = []
+    for _ in range(launches):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    result: dict[str, Any] = {"devices": DEVICES, "topology": f"data={DEVICES}", "batch_size": args.batch_size,
+                              "steps": steps, "repeats": repeats, "launches": launches, "runs": runs}
+    print(f"Model.fit vs the same program by hand, data={DEVICES} on {DEVICES} CPU devices, batch {args.batch_size}, "
+          f"{launches} launches x {repeats} runs of {steps} steps (ratio other / fit: > 1 means fit is faster)")
+    print(f"{'precision / side':<44}{'fit ms (median)':>16}   ratio, median (min, max) over launches")
+    for precision in PRECISIONS:
+        fit_ms = [run[precision]["ms"]["fit"] for run in runs]
+        ratios = {name: [run[precision]["ms"][name] / run[precision]["ms"]["fit"] for run in runs]
+                  for name in ("shard_map", "gspmd")}
+        control = [run[precision]["ms"]["shard_map_again"] / run[precision]["ms"]["shard_map"] for run in runs]
+        result[precision] = {"fit_ms": fit_ms, "ratios": ratios, "control": control}
+        print(f"{precision + ': hand shard_map (the same program)':<44}{statistics.median(fit_ms):>16.3f}   "
+              f"{_spread(ratios['shard_map'])}")
+        print(f"{'  control: hand shard_map again / itself':<44}{'':>16}   {_spread(control)}")
+        print(f"{'  GSPMD jit (a different program)':<44}{'':>16}   {_spread(ratios['gspmd'])}")
+        for name, ops in runs[0][precision]["explain"].items():
+            print(f"  explain, {name:<10} compiled: " + ", ".join(f"{op} {n} ({size / 2**20:.2f} MiB)"
+                                                                for op, (n, size) in ops.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

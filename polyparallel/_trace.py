@@ -1,7 +1,7 @@
 """Collective trace: a per-process ring buffer of the collectives a runtime issues.
 
-Every runtime that records (the torch runtime does) calls :meth:`Recorder.enter` when a
-collective starts (before its identity check) and :meth:`Recorder.finish` when it ends. An
+Every runtime that records (the torch runtime; the JAX runtime for its host-side collectives)
+calls :meth:`Recorder.enter` when a collective starts (before its identity check) and :meth:`Recorder.finish` when it ends. An
 entry holds the operation, the axis, its sequence number on that axis (``None`` for a collective
 that is not identity-checked), a cheap summary of shapes and dtypes (the check's descriptor), the
 caller's location, times and a state (``entered``: waiting for the peers to join, ``running``:

@@ -47,12 +47,14 @@ from polyparallel import _checkpoints as core
 from .partition import path_name
 
 __all__ = ["CheckpointError", "MARKER", "check_leaves", "committed", "flatten", "read_metadata", "restore",
-           "restore_trees", "shapes", "stored_leaves", "tree_arrays", "write"]
+           "restore_trees", "shapes", "stored_leaves", "tree_arrays", "write", "TIMEOUT"]
 
 #: The commit marker (and metadata): a checkpoint directory is loadable only when it holds it.
 MARKER = core.MARKER
 STATE = "state"
 CheckpointError = pp.CheckpointError
+#: Seconds a process waits for the others at each agreement of a save (without a strategy's timeout).
+TIMEOUT = 300.0
 
 
 # -- names ---------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def _unnest(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 # -- writing -------------------------------------------------------------------------------------
 
 
-def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> str:
+def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any], timeout: float = TIMEOUT) -> str:
     """Write ``arrays`` (name -> ``jax.Array``) and ``metadata`` as a committed checkpoint at
     ``path`` (an earlier checkpoint there is replaced; any other existing path is refused).
 
@@ -102,7 +104,9 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     publishes the directory; no process returns before it is published. Should a process fail to
     write or process 0 fail to commit, every process raises the same
     :class:`polyparallel.CheckpointError` (none waits for a commit that will not come) and the
-    staging directory is removed. Returns the path.
+    staging directory is removed. Returns the path. The agreements between processes (the staging
+    name, the shards written, the commit's outcome) wait at most ``timeout`` seconds each and are
+    recorded in the collective trace.
     """
     import jax
     import orbax.checkpoint as ocp
@@ -111,7 +115,7 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
     if os.path.lexists(path) and not committed(path):
         raise CheckpointError(f"Cannot save at {path!r}: it exists and is not a polyparallel checkpoint; a save "
                               "replaces only an earlier checkpoint. Choose another path, or remove it first.")
-    staging = core.staging_path(path, _token())
+    staging = core.staging_path(path, _token(timeout))
     checkpointer = ocp.PyTreeCheckpointer()  # synchronous: the commit below comes after every write
     failure: str | None = None
     try:
@@ -122,7 +126,7 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
         checkpointer.close()
     # Every process learns whether all wrote their shards (the barrier before the commit), then
     # process 0 commits and every process learns whether it did; the same steps whatever failed.
-    failure = _everyone_knows(failure)
+    failure = _everyone_knows(failure, timeout, "shards written")
     if failure is None:
         if jax.process_index() == 0:
             try:
@@ -130,7 +134,7 @@ def write(path: str, arrays: Mapping[str, Any], metadata: Mapping[str, Any]) -> 
                 core.publish(staging, path)
             except Exception as exc:  # noqa: BLE001 - told to every process below, which else waits
                 failure = f"committing it failed on process 0: {_os_text(exc)}"
-        failure = _everyone_knows(failure)
+        failure = _everyone_knows(failure, timeout, "commit outcome")
     if failure is not None:
         if jax.process_index() == 0:
             _remove(staging)
@@ -167,9 +171,19 @@ def _os_text(exc: BaseException) -> str:
 _MESSAGE = 2048  # bytes of a failure's text shared with every process
 
 
-def _everyone_knows(failure: str | None) -> str | None:
+def _across(operation: str, fn: Any, timeout: float) -> Any:
+    """A process-level collective of saving, bounded and recorded (:func:`polyparallel_jax.ops.bounded`)."""
+    import jax
+
+    from .ops import bounded
+
+    return bounded(fn, timeout=timeout, operation=operation, axis="world", rank=jax.process_index())
+
+
+def _everyone_knows(failure: str | None, timeout: float = TIMEOUT, step: str = "agreement") -> str | None:
     """The first failure of any process (``None`` when none failed), in every process: one
-    all-gather of a fixed-size buffer (the barrier after the commit, with its outcome)."""
+    all-gather of a fixed-size buffer, bounded by ``timeout`` and recorded as
+    ``save_checkpoint (<step>)`` (the barrier after the shards, then after the commit)."""
     import jax
 
     if jax.process_count() == 1:
@@ -180,14 +194,14 @@ def _everyone_knows(failure: str | None) -> str | None:
     if failure is not None:
         text = failure.encode("utf-8")[:_MESSAGE]
         mine[0], mine[1:1 + len(text)] = 1, np.frombuffer(text, dtype=np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))
+    every = np.asarray(_across(f"save_checkpoint ({step})", lambda: multihost_utils.process_allgather(mine), timeout))
     for row in every.reshape(-1, _MESSAGE + 1):
         if row[0]:
             return bytes(row[1:]).rstrip(b"\0").decode("utf-8", "replace")
     return None
 
 
-def _token() -> str:
+def _token(timeout: float = TIMEOUT) -> str:
     # The staging directory's name must be the same in every process: process 0's random token.
     import jax
 
@@ -195,17 +209,9 @@ def _token() -> str:
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        token = int(multihost_utils.broadcast_one_to_all(np.int64(token)))
+        token = int(_across("save_checkpoint (staging name)",
+                            lambda: multihost_utils.broadcast_one_to_all(np.int64(token)), timeout))
     return f"{token:016x}"
-
-
-def _barrier(name: str) -> None:
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 # -- reading -------------------------------------------------------------------------------------

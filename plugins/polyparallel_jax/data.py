@@ -21,7 +21,7 @@ import polyparallel as pp
 
 from .runtime import JaxRuntime
 
-__all__ = ["Batch", "DataError", "ShardedArrays", "is_host_data", "shard_order"]
+__all__ = ["Batch", "DataError", "ShardedArrays", "host_rows", "is_host_data", "shard_order", "validation_rows"]
 
 
 class DataError(pp.PolyparallelError, ValueError):
@@ -52,10 +52,12 @@ def shard_order(n: int, data_size: int, seed: int, epoch: int, shuffle: bool, re
 
 @dataclass(frozen=True)
 class Batch:
-    """One global batch: ``data`` (the input's structure, sharded ``P("data")``), ``mask``
-    (float32, 1 for a real sample, 0 for padding added by ``remainder="uneven"``), ``size`` (rows),
-    ``count`` (real rows: the global sum of ``mask``, a host int) and ``indices`` (which sample
-    each global row is, host numpy)."""
+    """One global batch: ``data`` (the input's structure, sharded ``P("data")``; under
+    accumulation ``(accumulate, micro x data, ...)`` sharded ``P(None, "data")``), ``mask``
+    (float32, 1 for a real sample, 0 for padding added by ``remainder="uneven"`` or a partial
+    accumulated step; shaped like the rows), ``size`` (rows), ``count`` (real rows: the global
+    sum of ``mask``, a host int) and ``indices`` (which sample each global row is, host numpy,
+    shaped like ``mask``)."""
 
     data: Any
     mask: Any
@@ -69,13 +71,26 @@ class ShardedArrays:
     for numpy input). Iterate :meth:`batches` per epoch; :meth:`indices` tells which samples each
     data coordinate holds.
 
+    Under ``Strategy(accumulate=N)`` a batch is still one optimizer step (``batch_size`` rows),
+    given as its N micro-batches: arrays of shape ``(N, micro x data, ...)`` sharded
+    ``P(None, "data")``, where ``micro = polyparallel.micro_batch_size(batch_size, data, N)``;
+    ``x[k]`` is micro-batch ``k`` (sharded ``P("data")``, as a batch is without accumulation).
+    Data coordinate ``d`` holds in micro-batch ``k`` the rows ``k*micro ... (k+1)*micro`` of its
+    share of the step: what a loader of ``micro`` rows per rank gives in every runtime, so global
+    micro-batch ``k`` of step ``i`` is ``order[i*B + k*B/N : i*B + (k+1)*B/N]`` at every data
+    size. A last, partial step keeps that shape: its rows fill the micro-batches in order and the
+    rest is padding with mask 0 (a micro-batch may be all padding; ``Model.fit`` skips those, as
+    a loader would end the epoch there). Losses, metrics and gradients are exact; in training
+    mode BatchNorm's statistics of the last non-empty micro-batch see its padding rows, as with
+    ``remainder="uneven"``.
+
     The epoch is always explicit (``batches(epoch)``): nothing advances by itself, so looking at a
     batch never changes what a later epoch holds. Host arrays have no loader to inherit a shuffle
     choice from: ``DataPolicy(shuffle=None)`` (the default) shuffles, ``shuffle=False`` keeps
     the order.
     """
 
-    def __init__(self, data: Any, runtime: JaxRuntime, policy: pp.DataPolicy, seed: int):
+    def __init__(self, data: Any, runtime: JaxRuntime, policy: pp.DataPolicy, seed: int, accumulate: int = 1):
         self._structure, self._arrays = _flatten(data)
         lengths = {len(a) for a in self._arrays}
         if len(lengths) != 1:
@@ -89,10 +104,11 @@ class ShardedArrays:
         if policy.batch_size is None:
             raise DataError("shard_data() of arrays needs a global batch size: Strategy(batch_size=B) or "
                              "strategy.shard_data(arrays, batch_size=B).")
-        if policy.batch_size % data_size:
-            raise DataError(f"The global batch size must be divisible by the data axis. Received: batch_size="
-                             f"{policy.batch_size} with data={data_size}; use a multiple of {data_size} "
-                             f"(e.g. {max(data_size, policy.batch_size // data_size * data_size)}).")
+        try:
+            self.micro_batch = pp.micro_batch_size(policy.batch_size, data_size, accumulate)
+        except ValueError as exc:
+            raise DataError(f"shard_data(): {exc}") from None
+        self.accumulate = accumulate
         self.batch_size = policy.batch_size
         self.per_device = policy.batch_size // data_size
         self.global_step = 0  # batches yielded since these arrays were sharded
@@ -127,22 +143,28 @@ class ShardedArrays:
         # uneven: shorter shards are padded with their first sample and a 0 mask.
         padded = [np.concatenate([s, np.full(longest - len(s), s[0] if len(s) else 0)]) for s in shards]
         masks = [np.concatenate([np.ones(len(s), np.float32), np.zeros(longest - len(s), np.float32)]) for s in shards]
-        local = self.runtime.local_data_coords()
-        sharding = self.runtime.sharding("data")
+        local, size, n = self.runtime.local_data_coords(), self.runtime.data_size, self.accumulate
+        sharding = self.runtime.sharding(*((None,) * (n > 1)), "data")
         for row in range(start * self.per_device, longest, self.per_device):
             stop = min(row + self.per_device, longest)
-            rows = np.concatenate([padded[d][row:stop] for d in local])
-            global_rows = (stop - row) * self.runtime.data_size
-            arrays = [jax.make_array_from_process_local_data(sharding, a[rows], (global_rows, *a.shape[1:]))
+            rows = [padded[d][row:stop] for d in range(size)]
+            mask = [masks[d][row:stop] for d in range(size)]
+            if n > 1:  # (N, micro) per coordinate; a partial step padded to full micro-batches, mask 0
+                full = self.per_device
+                rows = [np.concatenate([r, np.full(full - len(r), r[0])]).reshape(n, -1) for r in rows]
+                mask = [np.concatenate([m, np.zeros(full - len(m), np.float32)]).reshape(n, -1) for m in mask]
+            axis = 1 if n > 1 else 0  # the rows' axis: coordinates side by side along it
+            here = np.concatenate([rows[d] for d in local], axis=axis)
+            every = np.concatenate(rows, axis=axis)
+            arrays = [jax.make_array_from_process_local_data(sharding, a[here], (*every.shape, *a.shape[1:]))
                       for a in self._arrays]
-            mask = np.concatenate([masks[d][row:stop] for d in local])
-            every = np.concatenate([padded[d][row:stop] for d in range(self.runtime.data_size)])
-            count = int(sum(masks[d][row:stop].sum() for d in range(self.runtime.data_size)))
+            count = int(sum(m.sum() for m in mask))
             self._position = (epoch, self._position[1] + 1)
             self.global_step += 1
             yield Batch(_unflatten(self._structure, arrays),
-                        jax.make_array_from_process_local_data(sharding, mask, (global_rows,)), global_rows,
-                        count, every)
+                        jax.make_array_from_process_local_data(sharding, np.concatenate([mask[d] for d in local],
+                                                                                         axis=axis), every.shape),
+                        every.size, count, every)
         if self._position == (epoch, len(self)):
             self._position = (epoch + 1, 0)  # a complete pass: the next one is epoch + 1
 
@@ -171,8 +193,9 @@ class ShardedArrays:
         self.global_step = int(state.get("global_step", 0))
 
     def __repr__(self) -> str:
+        accumulate = f" x accumulate={self.accumulate}" if self.accumulate > 1 else ""
         return (f"ShardedArrays({self.num_samples} samples, batch_size={self.batch_size} over "
-                f"data={self.runtime.data_size}, remainder={self.policy.remainder!r})")
+                f"data={self.runtime.data_size}{accumulate}, remainder={self.policy.remainder!r})")
 
 
 def _flatten(data: Any) -> tuple[Any, list[np.ndarray]]:
@@ -193,3 +216,35 @@ def _unflatten(structure: Any, arrays: Sequence[Any]) -> Any:
     if kind == "dict":
         return dict(zip(info, arrays))
     return tuple(arrays) if kind == "tuple" else list(arrays)
+
+
+def host_rows(x: Any) -> np.ndarray:
+    """``x`` as a host array, refused when it is an iterator, a dataset or a mapping (rows that
+    the strategy could not shard)."""
+    from .surface import refusal
+
+    if isinstance(x, (np.ndarray, list, tuple)) or hasattr(x, "__array__"):
+        return np.asarray(x)
+    raise TypeError(f"{refusal('fit(x=<iterator or dataset>)')} Received: {type(x).__name__}.")
+
+
+def validation_rows(x: Any, y: Any, data: Any, split: float, freq: int) -> tuple[np.ndarray, np.ndarray, Any]:
+    """``(x, y, validation_data)`` after ``validation_split`` (Keras: the last rows, before any
+    shuffling), every argument checked before anything runs."""
+    x, y = host_rows(x), host_rows(y)
+    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ValueError(f"fit(validation_freq=) must be a positive int (validate every N epochs). Received: {freq!r}.")
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
+        raise ValueError(f"fit(validation_split=) must be a fraction in [0, 1). Received: {split!r}.")
+    if data is not None:
+        if split:
+            raise ValueError("fit() takes validation_data= or validation_split=, not both.")
+        if not isinstance(data, (tuple, list)) or len(data) != 2:
+            raise ValueError(f"fit(validation_data=) must be (x_val, y_val). Received: {type(data).__name__}.")
+        return x, y, (host_rows(data[0]), host_rows(data[1]))
+    if not split:
+        return x, y, None
+    held = int(len(x) * split)
+    if held < 1 or held >= len(x):
+        raise ValueError(f"fit(validation_split={split}) of {len(x)} rows holds out {held}; it must leave rows on both sides.")
+    return x[:-held], y[:-held], (x[-held:], y[-held:])

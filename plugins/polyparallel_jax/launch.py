@@ -49,19 +49,21 @@ def process_env(process_id: int, nprocs: int, port: int, devices_per_process: in
 
 
 def launch_processes(fn: Callable[..., Any], nprocs: int, args: tuple = (), kwargs: dict | None = None, *,
-                     devices_per_process: int = 1, timeout: float = 120.0) -> list[Any]:
+                     devices_per_process: int = 1, timeout: float = 120.0, trace_dir: str | None = None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` JAX processes; return the results by process.
 
     :param fn: a picklable (module-level) callable.
     :param devices_per_process: CPU devices each process gets.
     :param timeout: seconds for the whole run; past it every process is killed.
+    :param trace_dir: every process writes its collective trace there (``rank<process>.jsonl``)
+        when a collective fails and when it ends; ``polyparallel trace DIR`` reads them.
     """
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise pp.TopologyError(f"nprocs must be a positive int. Received: {nprocs!r}.")
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="polyparallel-jax-") as tmp:
         with open(os.path.join(tmp, "job.pkl"), "wb") as f:
-            pickle.dump((fn, tuple(args), dict(kwargs or {})), f)
+            pickle.dump((fn, tuple(args), dict(kwargs or {}), trace_dir), f)
         procs: list[subprocess.Popen[bytes]] = []
 
         def failed_process() -> int | None:
@@ -124,21 +126,35 @@ def _tail(tmp: str, process_id: int, size: int = 3000) -> str:
 
 
 def _child(tmp: str, process_id: int) -> int:
+    from polyparallel import _trace
+
     try:
         ensure_distributed()  # before anything touches a device
         with open(os.path.join(tmp, "job.pkl"), "rb") as f:
-            fn, args, kwargs = pickle.load(f)
+            fn, args, kwargs, trace_dir = pickle.load(f)
+        if trace_dir is not None:  # written when a collective fails (ops.bounded) and below
+            _trace.configure(trace_dir, rank=process_id, world_size=int(os.environ[ENV_NUM_PROCESSES]))
         result = fn(*args, **kwargs)
         path = os.path.join(tmp, f"result_{process_id}.pkl")
         with open(path + ".tmp", "wb") as f:
             pickle.dump(result, f)
         os.replace(path + ".tmp", path)  # whole or absent: the launcher treats it as success
+        _dump("exit")  # the process ends with os._exit: no atexit dump
         _barrier("polyparallel-jax-done")
         return 0
-    except BaseException:
+    except BaseException as exc:
         with open(os.path.join(tmp, f"error_{process_id}.txt"), "w") as f:
             f.write(traceback.format_exc())
+        _dump(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", failed=True)
         return 1
+
+
+def _dump(reason: str, failed: bool = False) -> None:
+    from polyparallel import _trace
+
+    recorder = _trace.get_recorder()
+    if recorder is not None and recorder.trace_dir:
+        recorder.dump(reason, failed=failed)
 
 
 def _barrier(name: str, timeout_s: int = 60) -> None:

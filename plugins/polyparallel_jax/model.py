@@ -21,6 +21,13 @@ optax update on the sharded parameters. Metrics and losses are reduced count-wei
 RNG keys are folded with the device's data coordinate (independent dropout per device); RNG
 counters stay replicated.
 
+``Strategy(precision=)``: parameters kept in its param dtype, forward and backward in its compute
+dtype, the gradient reduction in its reduce dtype, the optimizer state in its optimizer dtype
+(:mod:`polyparallel_jax.precision`); ``fp16-mixed`` (loss scaling) is refused before anything is
+compiled. ``Strategy(accumulate=N)``: each step of ``batch_size`` rows is N micro-batches of
+``batch_size / (data x N)`` rows per device, scanned inside the one compiled step, with one
+gradient reduction and one optimizer update (:mod:`polyparallel_jax.steps`).
+
 State. ``model.module`` holds the parameters, the BatchNorm statistics (averaged) and the RNG
 state. The rest belongs to a *placement*, the state put on one strategy's mesh: the placement
 itself, the optimizer state there, the per-device statistics (``local``) and the compiled steps.
@@ -48,20 +55,19 @@ import numpy as np
 
 import polyparallel as pp
 
+from . import callbacks as _callbacks
 from . import losses as _losses
-from . import saving, steps
-from .data import ShardedArrays
+from . import precision, saving, steps, surface
+from .data import ShardedArrays, host_rows, validation_rows
 from .progress import ProgressBar
 from .runtime import JaxRuntime, as_jax_strategy, resolve_for_devices, runtime_for
-from .steps import DATA, split_state
+from .steps import DATA
 
 __all__ = ["Model"]
 
 #: Where a Model's state lives: (strategy or None for one device, its runtime, the wrapped module or None).
 _Placement = tuple[pp.Strategy | None, JaxRuntime, Any]
 
-#: Static module attributes a step sets for itself (``_split``), and gives back afterwards.
-_STEP_ATTRIBUTES = ("axis_name", "use_running_average", "deterministic")
 
 
 class Model:
@@ -87,8 +93,8 @@ class Model:
         if isinstance(metrics, str) or callable(metrics):
             metrics = [metrics]
         self.module = module
-        self.loss_name, self.loss_fn = _losses.resolve(loss, _losses.LOSSES, "loss")
-        self.metric_fns = dict(_losses.resolve(m, _losses.METRICS, "metric") for m in metrics)
+        _, self._loss_fn = _losses.resolve(loss, _losses.LOSSES, "loss")
+        self._metric_fns = dict(_losses.resolve(m, _losses.METRICS, "metric") for m in metrics)
         if optimizer is None:
             import optax
 
@@ -100,6 +106,7 @@ class Model:
             raise ValueError(f"sync_every must be a positive int. Received: {sync_every!r}.")
         self.sync_every = sync_every
         self.history: dict[str, list[float]] = {}
+        self.stop_training = False  # a callback sets it to end fit after the epoch (Keras)
         # What belongs to the placement (set up by _place and its steps, cleared only by _reset):
         self._placed: _Placement | None = None
         self._opt_state: Any = None  # the optimizer state, sharded like the parameters there
@@ -120,7 +127,8 @@ class Model:
         if strategy is not None:
             strategy = as_jax_strategy(strategy)
             resolve_for_devices(strategy.topology)  # a JAX-worded error before any session
-            strategy.check("jax")  # pipeline > 1 is refused before anything is compiled
+            strategy.check("jax")  # pipeline > 1, precisions not run: refused before anything is compiled
+            precision.check(strategy.precision, "polyparallel_jax.Model")
         if self._placed is not None and self._placed[0] == strategy:
             return self._placed
         self._reset()  # the module now holds everything the old placement had (averaged)
@@ -159,23 +167,10 @@ class Model:
         """``nnx.split`` of the module configured for this step: train/eval mode, and BatchNorm
         synchronised over ``data`` for the ``mean`` policy. The configuration lives in the
         graphdef (static attributes); the user's module gets its own attributes back."""
-        from flax import nnx
-
         strategy = self._placed[0] if self._placed else None
         # Synchronised BatchNorm (global batch statistics) for the "mean" policy.
         sync = strategy is not None and train and self._stats_action(strategy) == "mean"
-        saved = [(sub, {name: vars(sub)[name] for name in _STEP_ATTRIBUTES if name in vars(sub)})
-                 for _, sub in nnx.iter_modules(self.module)]
-        try:
-            for _, sub in nnx.iter_modules(self.module):
-                if isinstance(sub, nnx.BatchNorm):
-                    sub.axis_name = DATA if sync else None
-            self.module.train() if train else self.module.eval()
-            return split_state(self.module)
-        finally:
-            for sub, attributes in saved:
-                for name, value in attributes.items():
-                    setattr(sub, name, value)
+        return steps.split_configured(self.module, train, sync)
 
     @staticmethod
     def _stats_action(strategy: pp.Strategy) -> str:
@@ -188,19 +183,22 @@ class Model:
         if key not in self._steps:
             strategy, runtime, _ = self._placement
             graphdef, _, _, _ = self._split(train)
-            self._steps[key] = steps.build(graphdef, strategy, runtime, self.loss_fn, self.metric_fns, self.optimizer,
+            self._steps[key] = steps.build(graphdef, strategy, runtime, self._loss_fn, self._metric_fns, self._tx,
                                            train=train, local_stats=key[1])
         return self._steps[key]
 
     # -- data --------------------------------------------------------------------------------------
-    def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None) -> ShardedArrays:
+    def _data(self, arrays: Any, batch_size: int, shuffle: bool, remainder: str, seed: int | None,
+              train: bool = True) -> ShardedArrays:
+        """Training data through ``strategy.shard_data`` (micro-batches of ``Strategy(accumulate=)``
+        included); evaluation data in whole batches (nothing to accumulate)."""
         strategy, runtime, _ = self._placement
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int. Received: {batch_size!r}.")
         arrays = tuple(np.asarray(a) for a in arrays)
-        if strategy is None:
+        if strategy is None or not train:
             return ShardedArrays(arrays, runtime, pp.DataPolicy(batch_size, shuffle, remainder),
-                                 0 if seed is None else seed)
+                                 (strategy.seed if strategy is not None else 0) if seed is None else seed)
         if seed is not None:
             strategy = strategy.replace(seed=seed)
         return strategy.shard_data(arrays, batch_size=batch_size, shuffle=shuffle, remainder=remainder)
@@ -209,12 +207,20 @@ class Model:
     def fit(self, x: Any, y: Any, epochs: int = 1, batch_size: int = 32, validation_data: tuple[Any, Any] | None = None,
             strategy: pp.Strategy | None = None, *, shuffle: bool = True, verbose: int = 1,
             seed: int | None = None, checkpoint: str | None = None, checkpoint_every: int | None = None,
-            resume: bool | str = False) -> dict[str, list[float]]:
+            resume: bool | str = False, callbacks: Sequence[Any] | None = None, validation_split: float = 0.0,
+            validation_batch_size: int | None = None, validation_freq: int = 1,
+            **unsupported: Any) -> dict[str, list[float]]:
         """Train until epoch ``epochs`` over ``(x, y)`` with global batch ``batch_size``.
 
         :param strategy: parallelise over devices (``Strategy(data=-1)``, ``Strategy(data=4,
             tensor=2)``); ``None`` uses the Model's strategy, or one device.
-        :param validation_data: ``(x_val, y_val)`` evaluated after each epoch (``val_*`` keys).
+        :param validation_data: ``(x_val, y_val)`` evaluated after each epoch (``val_*`` keys),
+            every row once, in batches of ``validation_batch_size`` (default ``batch_size``),
+            every ``validation_freq`` epochs.
+        :param validation_split: a fraction of ``(x, y)``: its last rows (before any shuffling,
+            as Keras) are the validation data instead.
+        :param callbacks: :mod:`polyparallel_jax.callbacks` (``EarlyStopping``,
+            ``ModelCheckpoint``, a ``Callback`` of your own), called after every epoch.
         :param verbose: 0 silences the progress bar (it prints on the logger process only).
         :param seed: overrides ``strategy.seed`` for shuffling.
         :param checkpoint: a directory: :meth:`save` into ``checkpoint/step-<global step>`` after
@@ -228,12 +234,19 @@ class Model:
             on next, so it ends with the uninterrupted run's parameters. A different global
             batch, seed, shuffling or data length is refused. ``epochs`` counts from the start.
         :return: :attr:`history`, ``name -> per-epoch values`` (``loss``, metrics, ``val_*``).
+
+        Keras arguments that are not supported (``sample_weight=``, ``class_weight=``,
+        ``initial_epoch=``, ...) are refused before anything runs, saying what to do instead
+        (:mod:`polyparallel_jax.surface`).
         """
         import jax
         from flax import nnx
 
+        surface.refuse("fit", unsupported)
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs must be a non-negative int. Received: {epochs!r}.")
+        x, y, validation_data = validation_rows(x, y, validation_data, validation_split, validation_freq)
+        hooks = _callbacks.check(callbacks)
         every = saving.checkpoint_every(checkpoint, checkpoint_every)
         self._place(strategy)
         data = self._data((x, y), batch_size, shuffle, self._remainder(), seed)
@@ -245,77 +258,93 @@ class Model:
         step = self._step(train=True)  # after _maybe_local: the step's stats layout depends on it
         opt_state = self._opt_state
         logger = jax.process_index() == 0
+        self.stop_training = False
+        for hook in hooks:
+            _callbacks.run([hook], "set_model", self)
+        _callbacks.run(hooks, "on_train_begin", {})
+        logs: dict[str, float] = {}
         for epoch in range(start_epoch, epochs):
             first = start_step if epoch == start_epoch else 0
             bar = ProgressBar(len(data), f"epoch {epoch + 1}/{epochs}", enabled=bool(verbose) and logger)
             results: list[Any] = list(partial) if epoch == start_epoch else []
-            pending = None
-            for i, batch in enumerate(data.batches(epoch, start=first), start=first):
-                bx, by = batch.data
-                params, stats, rest, opt_state, metrics = step(params, stats, rest, opt_state, bx, by, batch.mask)
-                results.append((metrics, batch.count))  # real rows: padding has mask 0
-                if (i + 1) % self.sync_every == 0:
-                    if pending is not None:
-                        jax.block_until_ready(pending)  # bounds the queue of collective steps
-                        bar.update(i, pending)
-                    pending = metrics
-                if every and checkpoint is not None and data.global_step % every == 0 and i + 1 < len(data):
-                    self._opt_state = opt_state
-                    self._store(params, stats, rest)
+
+            def save_now(state: tuple[Any, ...], results: list[Any] = results) -> None:
+                if every and checkpoint is not None and data.global_step % every == 0:
+                    self._opt_state = state[3]
+                    self._store(*state[:3])
                     self._record_fit(data, results)
                     saving.fit_checkpoint(self, checkpoint, data.global_step)
-            host = jax.device_get(results)
-            epoch_values = _weighted(host)
-            bar.update(len(data), epoch_values, final=True)
-            for name, value in epoch_values.items():
-                self.history.setdefault(name, []).append(value)
+
+            params, stats, rest, opt_state = steps.run_epoch(step, data, epoch, first, (params, stats, rest, opt_state),
+                                                             results, self.sync_every, bar, save_now)
+            logs = steps.weighted(jax.device_get(results))
+            bar.update(len(data), logs, final=True)
             self._opt_state = opt_state
             self._store(params, stats, rest)
-            if validation_data is not None:
-                for name, value in self.evaluate(*validation_data, batch_size=batch_size).items():
-                    self.history.setdefault(f"val_{name}", []).append(value)
+            if validation_data is not None and (epoch + 1) % validation_freq == 0:
+                x_val, y_val = validation_data
+                logs.update({f"val_{name}": value for name, value in self.evaluate(
+                    x_val, y_val, batch_size=validation_batch_size or batch_size).items()})
+            for name, value in logs.items():
+                self.history.setdefault(name, []).append(value)
             self._record_fit(data, [])
             if checkpoint is not None:
                 saving.fit_checkpoint(self, checkpoint, data.global_step)
+            _callbacks.run(hooks, "on_epoch_end", epoch, dict(logs))
+            if self.stop_training:  # the same decision on every process: the logs are global
+                break
         nnx.update(self.module, params)  # in case epochs == 0 left nothing stored
+        _callbacks.run(hooks, "on_train_end", dict(logs))
         return self.history
 
     def evaluate(self, x: Any, y: Any, batch_size: int = 32, strategy: pp.Strategy | None = None,
-                 verbose: int = 0) -> dict[str, float]:
-        """Loss and metrics over every sample of ``(x, y)``, each counted exactly once."""
-        metrics, _ = self._run_eval((x, y), batch_size, strategy, verbose)
+                 verbose: int = 0, **unsupported: Any) -> dict[str, float]:
+        """Loss and metrics over every sample of ``(x, y)``, each counted exactly once (a
+        progress bar with ``verbose``)."""
+        surface.refuse("evaluate", unsupported)
+        metrics, _ = self._run_eval((host_rows(x), host_rows(y)), batch_size, strategy, verbose)
         return metrics
 
-    def predict(self, x: Any, batch_size: int = 32, strategy: pp.Strategy | None = None) -> np.ndarray:
-        """Predictions for every row of ``x``, in order (a host numpy array)."""
-        x = np.asarray(x)
-        _, predictions = self._run_eval((x, np.zeros(len(x), np.int32)), batch_size, strategy, 0, need_predictions=True)
+    def predict(self, x: Any, batch_size: int = 32, strategy: pp.Strategy | None = None, verbose: int = 0,
+                **unsupported: Any) -> np.ndarray:
+        """Predictions for every row of ``x``, in order (a host numpy array; a progress bar with
+        ``verbose``)."""
+        surface.refuse("predict", unsupported)
+        x = host_rows(x)
+        _, predictions = self._run_eval((x, np.zeros(len(x), np.int32)), batch_size, strategy, verbose,
+                                        need_predictions=True)
         return predictions
+
+    def compile(self, *args: Any, **unsupported: Any) -> None:
+        """Refused: Keras' ``compile`` step does not exist here (see :mod:`polyparallel_jax.surface`)."""
+        raise TypeError(surface.refusal("compile"))
 
     def _run_eval(self, arrays: Any, batch_size: int, strategy: Any, verbose: int, need_predictions: bool = False) -> Any:
         import jax
-        from jax.experimental import multihost_utils
 
         self._place(strategy)
         self._finish_local_stats()
-        data = self._data(arrays, batch_size, False, "uneven", None)
+        data = self._data(arrays, batch_size, False, "uneven", None, train=False)
         step = self._step(train=False)
         _, params, stats, rest = self._split(train=False)
         results, counts, outputs = [], [], []
+        bar = ProgressBar(len(data), "predict" if need_predictions else "evaluate",
+                          enabled=bool(verbose) and jax.process_index() == 0)
         for i, batch in enumerate(data.batches(0)):
             bx, by = batch.data
             metrics, predictions = step(params, stats, rest, bx, by, batch.mask)
             results.append(metrics)
             counts.append(batch.count)
             if need_predictions:
-                if not predictions.is_fully_addressable:
-                    predictions = multihost_utils.process_allgather(predictions, tiled=True)
+                if not predictions.is_fully_addressable:  # several processes: bounded, traced
+                    predictions = self._gather_predictions(predictions)
                 outputs.append((np.asarray(predictions), batch.indices))
             if (i + 1) % self.sync_every == 0:
                 jax.block_until_ready(metrics)
         # Each batch's metrics are exact means over its real rows; weight them by real rows.
         host = list(zip(jax.device_get(results), counts))
-        values = _weighted(host)
+        values = steps.weighted(host)
+        bar.update(len(data), values, final=True)
         if not need_predictions:
             return values, None
         out = None
@@ -324,6 +353,12 @@ class Model:
                 out = np.zeros((data.num_samples, *predictions.shape[1:]), predictions.dtype)
             out[indices] = predictions  # padding rows repeat a real index with the same value
         return values, out
+
+    def _gather_predictions(self, predictions: Any) -> Any:
+        from .ops import gather_rows
+
+        strategy, runtime, _ = self._placement
+        return gather_rows(predictions, runtime, "predict", strategy.session().rank if strategy is not None else 0)
 
     # -- state ---------------------------------------------------------------------------------
     def _remainder(self) -> str:
@@ -337,15 +372,22 @@ class Model:
 
         _, runtime, wrapped = self._placement
         if wrapped is not None:
-            opt_state = wrapped.init_optimizer(self.optimizer, params)
+            opt_state = wrapped.init_optimizer(self._tx, params)
         else:
-            opt_state = jax.jit(self.optimizer.init)(params)
+            opt_state = jax.jit(self._tx.init)(params)
         saved, self._unplaced_opt_state = self._unplaced_opt_state, None
         if saved is not None:  # same values, placed like the fresh state
             fresh, treedef = jax.tree.flatten(opt_state)
             opt_state = jax.tree.unflatten(treedef, [jax.device_put(jax.numpy.asarray(old_value, new.dtype), new.sharding)
                                                      for old_value, new in zip(jax.tree.leaves(saved), fresh)])
         return opt_state
+
+    @property
+    def _tx(self) -> Any:
+        """The optimizer as it runs on the placement: under a precision, its state kept in the
+        optimizer dtype (:meth:`polyparallel_jax.ShardedModule.optimizer`)."""
+        wrapped = self._placement[2]
+        return wrapped.optimizer(self.optimizer) if wrapped is not None else self.optimizer
 
     def _maybe_local(self, stats: Any) -> Any:
         """Under the ``local`` policy, give every device its own copy of the statistics."""
@@ -365,7 +407,7 @@ class Model:
 
         if self._local_stats is not None:
             self._local_stats = stats
-            stats = _average(stats)
+            stats = steps.average(stats)
         nnx.update(self.module, params, stats, rest)
 
     def _finish_local_stats(self) -> None:
@@ -373,7 +415,7 @@ class Model:
         from flax import nnx
 
         if self._local_stats is not None:
-            nnx.update(self.module, _average(self._local_stats))
+            nnx.update(self.module, steps.average(self._local_stats))
 
     def _record_fit(self, data: ShardedArrays, results: list[Any]) -> None:
         """``fit``'s position: the data's, its history, and the partial epoch's metric sums (so
@@ -477,24 +519,3 @@ class Model:
             without one). ``fit(resume=path)`` continues from there exactly.
         """
         return saving.load_model(self, os.fspath(path), strategy, loader)
-
-
-def _weighted(host: list[tuple[dict[str, Any], int]]) -> dict[str, float]:
-    total = sum(c for _, c in host)
-    if not host or total == 0:
-        return {}
-    return {name: float(sum(float(m[name]) * c for m, c in host) / total) for name in host[0][0]}
-
-
-_AVERAGE: Any = None  # the jitted mean, built on first use (jax is imported lazily)
-
-
-def _average(stacked: Any) -> Any:
-    global _AVERAGE
-    if _AVERAGE is None:
-        import jax
-        import jax.numpy as jnp
-
-        # A GSPMD mean over the data-sharded leading axis: the all-reduce of per-device statistics.
-        _AVERAGE = jax.jit(lambda s: jax.tree.map(lambda a: jnp.mean(a, axis=0), s))
-    return _AVERAGE(stacked)

@@ -25,7 +25,7 @@ from .partition import param_specs, path_name
 from .runtime import JaxRuntime
 
 __all__ = [
-    "ShardedModule", "bounded", "collection_name", "inside_data_axis", "is_jax_tree", "reduce_metrics",
+    "ShardedModule", "bounded", "collection_name", "describe", "gather_rows", "inside_data_axis", "is_jax_tree", "reduce_metrics",
     "sync_grads", "sync_states", "wrap_model",
 ]
 
@@ -71,8 +71,10 @@ def _varies_over_data(x: Any) -> bool:
     return DATA in vma
 
 
-def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str, rank: int) -> Any:
-    """Run a blocking cross-process collective, failing after ``timeout`` seconds.
+def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str, rank: int, detail: str = "") -> Any:
+    """Run a blocking cross-process collective, failing after ``timeout`` seconds, recorded in
+    the process's collective trace (:mod:`polyparallel._trace`: one entry, ``done`` or
+    ``failed``; the trace is written to its directory when one fails).
 
     XLA collectives wait forever for a peer that skipped them; the wait runs in a daemon thread
     so this process can raise :class:`polyparallel.CollectiveTimeout` naming the operation, axis
@@ -80,6 +82,10 @@ def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str,
     """
     import jax
 
+    from polyparallel._errors import exception_summary
+
+    recorder = _recorder()
+    entry = recorder.enter(operation, axis, None, detail, skip=3) if recorder is not None else None
     box: dict[str, Any] = {}
 
     def run() -> None:
@@ -92,21 +98,63 @@ def bounded(fn: Callable[[], Any], *, timeout: float, operation: str, axis: str,
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise pp.CollectiveTimeout(
+        error = pp.CollectiveTimeout(
             f"{operation} over axis {axis!r} timed out after {timeout:g} s on rank {rank} (JAX process "
             f"{jax.process_index()} of {jax.process_count()}): a peer process did not join the collective. "
             "Every process must call the operation the same number of times; raise Strategy(timeout=) if "
             "the peers are only slow.", operation=operation, axis=axis, rank=rank)
+        _failed(recorder, entry, f"timed out after {timeout:g} s", str(error).splitlines()[0])
+        raise error
     if "error" in box:
+        _failed(recorder, entry, exception_summary(box["error"]), f"{operation} failed")
         raise box["error"]
+    if recorder is not None:
+        recorder.finish(entry)
     return box["value"]
+
+
+def _recorder() -> Any:
+    """This process's trace recorder, its rank and world set to this JAX process's (a trace file
+    is one process: ``rank<process index>.jsonl``); ``None`` when tracing is off."""
+    import jax
+
+    from polyparallel import _trace
+
+    recorder = _trace.get_recorder()
+    if recorder is not None:
+        recorder.rank, recorder.world_size = jax.process_index(), jax.process_count()
+    return recorder
+
+
+def _failed(recorder: Any, entry: Any, why: str, reason: str) -> None:
+    if recorder is not None:
+        recorder.finish(entry, why)
+        recorder.dump(reason, failed=True)
+
+
+def describe(tree: Any) -> str:
+    """A cheap summary of a tree's arrays for the trace: ``3 arrays: float32[8], int32[]...``."""
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    shown = ", ".join(f"{getattr(x, 'dtype', type(x).__name__)}{list(getattr(x, 'shape', ()))}" for x in leaves[:4])
+    return f"{len(leaves)} array(s): {shown}{', ...' if len(leaves) > 4 else ''}"
 
 
 def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
     from jax.experimental import multihost_utils
 
     return bounded(lambda: multihost_utils.process_allgather(tree), timeout=runtime.timeout,
-                   operation=operation, axis=DATA, rank=rank)
+                   operation=operation, axis=DATA, rank=rank, detail=describe(tree))
+
+
+def gather_rows(array: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
+    """A global array spanning several processes as one host-side array in every process
+    (rows in order), bounded and traced."""
+    from jax.experimental import multihost_utils
+
+    return bounded(lambda: multihost_utils.process_allgather(array, tiled=True), timeout=runtime.timeout,
+                   operation=operation, axis=DATA, rank=rank, detail=describe(array))
 
 
 # -- wrap_model -------------------------------------------------------------------------------
@@ -124,6 +172,15 @@ class ShardedModule:
     module: Any
     specs: dict[str, tuple[Any, ...]]
     runtime: JaxRuntime
+    optimizer_dtype: Any = None  #: the precision's optimizer dtype (``None``: the optimizer's own)
+
+    def optimizer(self, tx: Any) -> Any:
+        """``tx`` as it runs under the strategy's precision: its parameter-shaped state kept in
+        the optimizer dtype (:func:`polyparallel_jax.precision.optimizer`); ``tx`` itself
+        without a precision."""
+        from . import precision
+
+        return tx if self.optimizer_dtype is None else precision.optimizer(tx, self.optimizer_dtype)
 
     def shardings(self, state: Any) -> Any:
         """A pytree of ``NamedSharding`` for ``state`` (an ``nnx.State`` of this module): params
@@ -147,17 +204,25 @@ class ShardedModule:
         return jax.jit(tx.init, out_shardings=out)(params)
 
 
-def wrap_model(runtime: JaxRuntime, module: Any, plan: Any = None) -> ShardedModule:
+def wrap_model(runtime: JaxRuntime, module: Any, plan: Any = None, param_dtype: Any = None,
+               optimizer_dtype: Any = None) -> ShardedModule:
     """Place an NNX module's state on the mesh: parameters replicated over ``data`` and split
     over ``tensor`` by ``plan`` (see :mod:`polyparallel_jax.partition`), other state replicated.
-    Errors in the plan are raised before anything is compiled or moved."""
+    ``param_dtype`` (the precision's): the floating parameters are cast to it first, and kept
+    in it; ``optimizer_dtype``: what :meth:`ShardedModule.optimizer` keeps the optimizer state
+    in. Errors in the plan are raised before anything is compiled or moved."""
     import jax
     from flax import nnx
 
+    from . import precision
+
     params = nnx.state(module, nnx.Param)
+    if param_dtype is not None:
+        params = precision.cast(params, param_dtype)
+        nnx.update(module, params)
     shapes = {path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     specs = param_specs(shapes, plan, runtime.topology.sizes)
-    wrapped = ShardedModule(module, {k: v for k, v in specs.items() if v}, runtime)
+    wrapped = ShardedModule(module, {k: v for k, v in specs.items() if v}, runtime, optimizer_dtype)
     state = nnx.state(module)
     nnx.update(module, jax.device_put(state, wrapped.shardings(state)))
     return wrapped
@@ -174,20 +239,46 @@ def sync_grads(strategy: pp.Strategy, grads: Any) -> Any:
     implicit ``pvary`` is a ``psum``), so such leaves are divided by the axis size, not
     ``pmean``-ed again; leaves still varying over ``data`` are ``pmean``-ed. Outside ``shard_map``
     gradients of a global loss are already global (GSPMD): a documented no-op.
+
+    Under ``Strategy(precision=)`` the varying leaves are reduced in its ``reduce_dtype`` (cast,
+    reduced, cast back to the gradient's dtype). Leaves JAX already summed in backward were
+    reduced in their own dtype: take the gradient with respect to per-device copies
+    (``jax.lax.pcast(params, "data", to="varying")``, as :class:`polyparallel_jax.Model` does)
+    so that the one reduction is this one.
     """
     import jax
+    import jax.numpy as jnp
+
+    from . import precision
 
     if not inside_data_axis():
         return grads
     size = jax.lax.axis_size(DATA)
     mean = strategy.grad_policy.op == "mean"
+    dtypes = precision.dtypes(strategy.precision)
+    reduce = dtypes.reduce if dtypes is not None else None
 
     def one(g: Any) -> Any:
         if _varies_over_data(g):
-            return jax.lax.pmean(g, DATA) if mean else jax.lax.psum(g, DATA)
+            wire = reduce if reduce is not None and jnp.issubdtype(g.dtype, jnp.floating) else g.dtype
+            out = _psum(g.astype(wire))
+            return (out / size if mean else out).astype(g.dtype)
         return g / size if mean else g
 
     return jax.tree.map(one, grads)
+
+
+def _psum(x: Any) -> Any:
+    """``psum`` over ``data`` in ``x``'s dtype. A bfloat16 all-reduce on CPU is summed in float32
+    and rounded back, written out here: XLA's CPU compiler does the same by itself
+    (``AllReducePromotion``) but aborts the process doing it inside a partially manual
+    ``shard_map`` (a ``tensor`` axis left to GSPMD puts a sharding constraint in the reducer)."""
+    import jax
+    import jax.numpy as jnp
+
+    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return jax.lax.psum(x.astype(jnp.float32), DATA).astype(x.dtype)
+    return jax.lax.psum(x, DATA)
 
 
 # -- reduce_metrics ---------------------------------------------------------------------------

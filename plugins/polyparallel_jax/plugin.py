@@ -31,8 +31,11 @@ import polyparallel as pp
 #: The runtime name this plugin answers for.
 RUNTIME = "jax"
 
+# collective_trace: the host-side collectives between processes (reduce_metrics/sync_states/predict
+# gathers, checkpoint agreements) are recorded in polyparallel's trace (ops.bounded), and
+# launch(trace_dir=) writes every process's (launch.py).
 FEATURES = frozenset({"shard_map", "gspmd_tensor_parallel", "partition_rules", "sync_batch_stats",
-                      "multi_process", "collective_timeout", "elegy_model"})
+                      "multi_process", "collective_timeout", "elegy_model", "collective_trace"})
 
 
 def _jax_loaded() -> bool:
@@ -42,7 +45,13 @@ def _jax_loaded() -> bool:
 
 
 def _capabilities(target: str, **runtime: Any) -> pp.Capabilities:
-    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES, **runtime)
+    # Precisions (polyparallel_jax.precision): the runtime's operations and the Model map each
+    # dtype of the policy; fp16-mixed (loss scaling) is refused with its reason. Accumulation:
+    # shard_data gives each step's micro-batches, the Model scans them and reduces once.
+    from .precision import REFUSED, RUNS
+
+    return pp.Capabilities(target=target, axes={"data", "tensor"}, features=FEATURES, precisions=RUNS,
+                           precision_reasons=REFUSED, accumulation=True, **runtime)
 
 
 # -- registration ------------------------------------------------------------------------------
@@ -96,13 +105,16 @@ def polyparallel_process_info(runtime: str | None) -> pp.ProcessInfo | None:
 
 @pp.hookimpl(tryfirst=True)
 def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple,
-                        kwargs: dict, timeout: float | None) -> list[Any] | None:
+                        kwargs: dict, timeout: float | None, trace_dir: str | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
     ``jax.distributed``; only on the JAX runtime."""
+    from . import precision
     from .launch import launch_processes
 
+    precision.check(strategy.precision, "launch()")  # what the capabilities cannot say, before any process
     return launch_processes(fn, nprocs, args=args, kwargs=kwargs,
-                            timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout))
+                            timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout),
+                            trace_dir=trace_dir)
 
 
 # -- the five operations -----------------------------------------------------------------------
@@ -119,7 +131,7 @@ def polyparallel_shard_data(strategy: pp.Strategy, session: pp.Session, data: An
         return None
     from .runtime import runtime_for
 
-    return ShardedArrays(data, runtime_for(strategy, session), policy, strategy.seed)
+    return ShardedArrays(data, runtime_for(strategy, session), policy, strategy.seed, strategy.accumulate)
 
 
 @pp.hookimpl
@@ -134,10 +146,14 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
     unknown = set(options) - {"plan"}
     if unknown:
         raise TypeError(f"wrap_model() of an NNX module takes plan= only. Received: {sorted(unknown)}.")
+    from . import precision
     from .ops import wrap_model
     from .runtime import runtime_for
 
-    return wrap_model(runtime_for(strategy, session), model, options.get("plan"))
+    precision.check(strategy.precision, "wrap_model()")
+    dtypes = precision.dtypes(strategy.precision)
+    return wrap_model(runtime_for(strategy, session), model, options.get("plan"),
+                      *((dtypes.param, dtypes.optimizer) if dtypes is not None else ()))
 
 
 @pp.hookimpl

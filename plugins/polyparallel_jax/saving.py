@@ -171,7 +171,9 @@ def save_model(model: SavedModel, path: str, extras: Mapping[str, Any], framewor
     metadata, extra_arrays = _metadata(model.placed_strategy, framework, progress, extras,
                                        fit={"history": info.get("history", {}), "partial": info.get("partial", [])})
     arrays = {**_arrays(sections), **extra_arrays}
-    return ck.write(path, arrays, _describe(metadata, arrays, progress is not None))
+    strategy = model.placed_strategy
+    return ck.write(path, arrays, _describe(metadata, arrays, progress is not None),
+                    strategy.timeout if strategy is not None else ck.TIMEOUT)
 
 
 def load_model(model: SavedModel, path: str, strategy: pp.Strategy | None, loader: Any = None) -> dict[str, Any]:
@@ -266,7 +268,7 @@ def save_module(strategy: pp.Strategy, path: str, module: Any, optimizer: Any, l
         sections["optimizer"] = nnx.state(optimizer)
     metadata, extra_arrays = _metadata(strategy, framework, loader.state_dict() if loader is not None else None, extras)
     arrays = {**_arrays(sections), **extra_arrays}
-    return ck.write(path, arrays, _describe(metadata, arrays, loader is not None))
+    return ck.write(path, arrays, _describe(metadata, arrays, loader is not None), strategy.timeout)
 
 
 def load_module(path: str, module: Any, optimizer: Any, loader: Any) -> dict[str, Any]:

@@ -97,11 +97,18 @@ class _Died(BaseException):
     """Stands for the job being killed in the middle of a save (no error handling runs)."""
 
 
-@pytest.mark.parametrize("resumed_at", [dict(data=4, tensor=2), dict(data=8)], ids=["same", "data=8"])
-def test_fit_resumed_mid_epoch_ends_with_the_uninterrupted_parameters(jax_strategy, tmp_path, monkeypatch, resumed_at):
+@pytest.mark.parametrize(("first", "resumed_at"), [
+    (dict(data=4, tensor=2), dict(data=4, tensor=2)), (dict(data=4, tensor=2), dict(data=8)),
+    (dict(data=2, tensor=4, accumulate=2), dict(data=8)), (dict(data=8), dict(data=4, tensor=2, accumulate=4)),
+], ids=["same", "data=8", "accumulate=2-then-data=8", "data=8-then-accumulate=4"])
+def test_fit_resumed_mid_epoch_ends_with_the_uninterrupted_parameters(jax_strategy, tmp_path, monkeypatch, first,
+                                                                      resumed_at):
+    # A step is a global batch whatever the accumulation, so a run resumes under another one;
+    # without BatchNorm there (its statistics are per micro-batch), exactly.
+    options = {"batch_norm": False} if "accumulate" in first or "accumulate" in resumed_at else {}
     x, y = dataset(200)
-    reference = _model()
-    reference.fit(x, y, epochs=2, batch_size=32, strategy=jax_strategy(data=4, tensor=2), verbose=0)
+    reference = _model(**options)
+    reference.fit(x, y, epochs=2, batch_size=32, strategy=jax_strategy(**first), verbose=0)
 
     save = saving.fit_checkpoint
 
@@ -112,14 +119,14 @@ def test_fit_resumed_mid_epoch_ends_with_the_uninterrupted_parameters(jax_strate
 
     monkeypatch.setattr(saving, "fit_checkpoint", dies_at_step_10)
     with pytest.raises(_Killed):
-        _model().fit(x, y, epochs=2, batch_size=32, strategy=jax_strategy(data=4, tensor=2), verbose=0,
-                     checkpoint=str(tmp_path), checkpoint_every=5)
+        _model(**options).fit(x, y, epochs=2, batch_size=32, strategy=jax_strategy(**first), verbose=0,
+                              checkpoint=str(tmp_path), checkpoint_every=5)
     monkeypatch.undo()
     newest = pp.latest_checkpoint(str(tmp_path))
     assert os.path.basename(newest) == "step-00000010"
     assert (core.read_marker(newest)["epoch"], core.read_marker(newest)["step"]) == (1, 3)
 
-    resumed = _model(seed=9)
+    resumed = _model(seed=9, **options)
     history = resumed.fit(x, y, epochs=2, batch_size=32, strategy=jax_strategy(**resumed_at), verbose=0,
                           checkpoint=str(tmp_path), checkpoint_every=5, resume=True)
     _assert_close(nnx.state(resumed.module), nnx.state(reference.module), atol=1e-5)
@@ -311,12 +318,21 @@ def test_a_commit_failing_on_process_0_fails_every_process_without_waiting(tmp_p
 
     tests = str(Path(__file__).parents[1])  # the processes import this module as jax_plugin.test_checkpoint
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120)
+    trace = tmp_path.parent / f"{tmp_path.name}-trace"
+    first, second = launch_processes(_commit_fails_on_process_0, 2, args=(str(tmp_path),), timeout=120,
+                                     trace_dir=str(trace))
     # The same error in both processes, naming the path, the process and the operating system's error.
     assert first == second, (first, second)
     assert first.startswith("CheckpointError") and "committing it failed on process 0" in first, first
     assert "[Errno 28] No space left on device" in first and str(tmp_path / "step-1") in first, first
     assert os.listdir(tmp_path) == [], "neither the checkpoint nor its staging directory is left"
+    # The save's agreements between processes are bounded and recorded in each process's trace.
+    from polyparallel import _trace_report
+
+    for recorded in _trace_report.read_dir(str(trace)).values():
+        assert [(e["operation"], e["axis"], e["state"]) for e in recorded["entries"]] == [
+            ("save_checkpoint (staging name)", "world", "done"), ("save_checkpoint (shards written)", "world", "done"),
+            ("save_checkpoint (commit outcome)", "world", "done")]
 
 
 def test_a_full_disk_fails_the_save_alike_and_keeps_the_previous_checkpoint(saved, tmp_path):

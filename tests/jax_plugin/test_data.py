@@ -134,6 +134,47 @@ def test_tuple_and_dict_structure_is_kept(jax_strategy):
     np.testing.assert_array_equal(np.asarray(batch.data["y"]), batch.indices)
 
 
+# -- under Strategy(accumulate=N): each step as its N micro-batches --------------------------------
+
+
+def test_under_accumulation_micro_batch_k_is_the_kth_slice_of_the_step_at_every_data_size(jax_strategy):
+    # Global batch 32 in 4 micro-batches: micro-batch k of step i is order[32 i + 8 k : 32 i + 8 (k + 1)],
+    # whatever the data size (a loader of 8 / data rows per rank gives the same in every runtime).
+    order = _order(64, seed=1, epoch=0)
+    for sizes in (dict(data=8), dict(data=4, tensor=2), dict(data=2, tensor=4)):
+        sharded = jax_strategy(**sizes, batch_size=32, seed=1, accumulate=4).shard_data(_x(64))
+        assert sharded.accumulate == 4 and sharded.micro_batch == 8 // sizes["data"] and len(sharded) == 2
+        assert "accumulate=4" in repr(sharded)
+        for i, batch in enumerate(sharded.batches(0)):
+            assert batch.data.shape == (4, 8, 3) and batch.data.sharding.spec == P(None, "data")
+            assert batch.mask.shape == batch.indices.shape == (4, 8) and batch.size == 32 and batch.count == 32
+            for k in range(4):
+                assert sorted(batch.indices[k].tolist()) == sorted(order[32 * i + 8 * k:32 * i + 8 * (k + 1)])
+                assert batch.data[k].sharding.spec[0] == "data"  # x[k]: one micro-batch, sharded over data
+            np.testing.assert_array_equal(np.asarray(batch.data)[..., 0], batch.indices.astype(np.float32))
+
+
+def test_a_partial_step_fills_its_micro_batches_in_order_and_pads_the_rest(jax_strategy):
+    # 40 samples, global batch 32 at data=4 x accumulate=2: the second step has 8 rows, 2 per
+    # device: all in micro-batch 0 (4 rows a device), micro-batch 1 is padding only (mask 0).
+    sharded = jax_strategy(data=4, tensor=2, batch_size=32, accumulate=2).shard_data(_x(40), shuffle=False)
+    last = list(sharded.batches(0))[1]
+    assert last.data.shape == (2, 16, 3) and last.count == 8
+    mask = np.asarray(last.mask)
+    assert mask[1].sum() == 0 and mask[0].reshape(4, 4).sum(axis=1).tolist() == [2, 2, 2, 2]
+    assert sorted(last.indices[0][mask[0] == 1].tolist()) == list(range(32, 40))
+
+
+def test_under_accumulation_the_batch_must_divide_into_micro_batches(jax_strategy):
+    with pytest.raises(pp.TopologyError, match=r"global batch size 24 does not divide over data=8 ranks x "
+                                               r"accumulate=2 micro-batches.*multiple of 16 \(16 or 32\)"):
+        jax_strategy(data=8, batch_size=24, accumulate=2)
+    runtime = jax_strategy(data=8).shard_data(_x(8), batch_size=8).runtime
+    with pytest.raises(DataError, match=r"shard_data\(\): the global batch size 24 does not divide over data=8 ranks x "
+                                        r"accumulate=2"):
+        ShardedArrays(_x(64), runtime, pp.DataPolicy(24), 0, accumulate=2)
+
+
 # -- errors before anything is compiled -------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 
 The conformance contract across processes (data=2 on two processes, with a skipped collective;
 data=4 on two processes of two devices) runs through the shared kit in ``test_conformance.py``.
+``launch(trace_dir=)``: every process writes its host-side collectives (the trace).
 """
 
 from __future__ import annotations
@@ -42,8 +43,67 @@ def test_a_process_printing_megabytes_is_not_blocked(monkeypatch):
     assert launch_processes(_chatty, 2, args=(2,), timeout=90) == [2, 2]
 
 
-def test_a_trace_dir_is_refused_before_any_process(jax_strategy, tmp_path):
-    # The JAX runtime records no collectives: trace_dir= would be silently ignored.
-    with pytest.raises(TypeError, match=r"the 'jax' runtime does not record its collectives"):
-        pp.launch(pp.Topology, jax_strategy(data=2), 2, trace_dir=tmp_path / "trace")
-    assert not (tmp_path / "trace").exists()
+def _reduce(skip: bool):
+    """Two reduce_metrics of process-local numbers (gathered across the processes); with
+    ``skip``, process 1 leaves after the first."""
+    import jax
+
+    from polyparallel_jax.conformance import plugin_manager
+
+    strategy = pp.Strategy(data=2, timeout=5, runtime="jax", plugin_manager=plugin_manager())
+    first = strategy.reduce_metrics({"loss": pp.Mean(float(jax.process_index()), 1)})  # first: every process
+    if skip and jax.process_index() == 1:
+        return first
+    return strategy.reduce_metrics({"loss": pp.Mean(2.0, 1)})  # second: process 1 skips it when told
+
+
+def _tests_on_path(monkeypatch):
+    tests = str(Path(__file__).parents[1])  # the processes import the functions as jax_plugin.test_launch
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_launch_trace_dir_writes_every_processs_host_collectives(monkeypatch, tmp_path):
+    from polyparallel import _trace_report
+    from polyparallel_jax.conformance import plugin_manager
+
+    _tests_on_path(monkeypatch)
+    strategy = pp.Strategy(data=2, runtime="jax", plugin_manager=plugin_manager())
+    assert pp.launch(_reduce, strategy, 2, args=(False,), trace_dir=tmp_path, timeout=120) == [{"loss": 2.0}] * 2
+    traces = _trace_report.read_dir(str(tmp_path))
+    assert sorted(traces) == [0, 1] and {t["header"]["world_size"] for t in traces.values()} == {2}
+    for trace in traces.values():
+        assert trace["header"]["reason"] == "exit" and trace["header"]["failure"] is None
+        ops = [(e["operation"], e["axis"], e["state"]) for e in trace["entries"]]
+        assert ops == [("reduce_metrics", "data", "done")] * 2, ops
+        assert all(e["user"].endswith(f"test_launch.py:{_line('first: every process')}") for e in trace["entries"][:1])
+        assert "array(s): float32[]" in trace["entries"][0]["detail"]
+    header, rows = _trace_report.timeline(traces)
+    assert header[-2:] == ["rank 0", "rank 1"] and len(rows) == 2 and not any(row[0] for row in rows)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_a_process_that_skips_a_collective_times_out_and_its_trace_shows_where(monkeypatch, tmp_path):
+    from polyparallel import _trace_report
+    from polyparallel_jax.conformance import plugin_manager
+
+    _tests_on_path(monkeypatch)
+    strategy = pp.Strategy(data=2, runtime="jax", plugin_manager=plugin_manager())
+    with pytest.raises(pp.LaunchError, match=r"JAX process 0 of 2 failed(.|\n)*CollectiveTimeout: reduce_metrics over "
+                                             r"axis 'data' timed out after 5 s"):
+        pp.launch(_reduce, strategy, 2, args=(True,), trace_dir=tmp_path, timeout=120)
+    traces = _trace_report.read_dir(str(tmp_path))
+    assert traces[0]["header"]["failure"].startswith("reduce_metrics over axis 'data' timed out after 5 s")
+    assert [e["state"] for e in traces[0]["entries"]] == ["done", "failed"]
+    assert traces[0]["entries"][-1]["error"] == "timed out after 5 s"
+    assert traces[0]["entries"][-1]["user"].endswith(f"test_launch.py:{_line('second: process 1 skips')}")
+    assert [e["state"] for e in traces[1]["entries"]] == ["done"]
+    _, rows = _trace_report.timeline(traces)
+    assert rows[-1][0] == "!" and "[failed]" in rows[-1][4] and rows[-1][5] == "-", rows  # process 1 never came
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line(" not in line)
