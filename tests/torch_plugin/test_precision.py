@@ -205,3 +205,15 @@ def test_precision_is_declared():
 
     assert CAPABILITIES.precisions == {"32", "bf16-mixed", "bf16-true", "fp16-mixed", "custom"}
     assert CAPABILITIES.accumulation
+
+
+def test_an_adapter_that_applies_the_precision_itself_passes_precision_none():
+    # Lightning's precision plugin (or Ignite's autocast) does the casting: wrap_model(precision=None)
+    # leaves the module's dtypes and forward alone, under a Strategy whose precision is bf16-true.
+    strategy = pp.Strategy(data=1, precision="bf16-true")
+    plain = strategy.wrap_model(net(), precision=None)
+    assert next(plain.parameters()).dtype == torch.float32 and "forward" not in vars(plain)
+    cast = strategy.wrap_model(net())
+    assert next(cast.parameters()).dtype == torch.bfloat16 and cast(dataset()[:4][0]).dtype == torch.bfloat16
+    with pytest.raises(pp.PluginError, match=r"wrap_model\(precision=\) takes a PrecisionPolicy or None"):
+        strategy.wrap_model(net(), precision="bf16-true")
