@@ -35,7 +35,6 @@ module wraps).
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -104,22 +103,36 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _wrap_forward(module: nn.Module, device: torch.device, policy: pp.PrecisionPolicy, autocast: bool) -> None:
-    """Replace ``module.forward`` (on the instance) by one that runs the original under autocast
-    (mixed) and/or casts floating inputs to the compute dtype ("true"), outputs to ``param_dtype``."""
-    inner = module.forward
-    compute, param = _dtype(policy.compute_dtype), _dtype(policy.param_dtype)
+class _Compute:
+    """The forward hooks of a module under a precision: a pre-hook that enters autocast (mixed)
+    or casts the floating inputs to the compute dtype ("true"), a hook (``always_call``: also
+    when forward raises, so autocast never stays on) that leaves autocast and casts floating
+    outputs to ``param_dtype``. Hooks, not a replaced ``forward``: they travel with the module
+    (a ``deepcopy``, an EMA copy, computes with its own weights) and keep its class and state."""
 
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if autocast:
-            with torch.autocast(device.type, dtype=compute):
-                out = inner(*args, **kwargs)
-        else:  # true precision: the batch meets the weights in their dtype
-            out = inner(*_cast_floating(args, compute), **_cast_floating(kwargs, compute))
-        return _cast_floating(out, param)
+    def __init__(self, device: torch.device, policy: pp.PrecisionPolicy, autocast: bool):
+        self.device_type, self.autocast = device.type, autocast
+        self.compute, self.param = _dtype(policy.compute_dtype), _dtype(policy.param_dtype)
+        self.active: list[Any] = []  # entered autocast contexts (a module may be called re-entrantly)
 
-    module.forward = forward
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.autocast:
+            context = torch.autocast(self.device_type, dtype=self.compute)
+            context.__enter__()
+            self.active.append(context)
+            return None
+        return _cast_floating(args, self.compute), _cast_floating(kwargs, self.compute)
+
+    def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if self.autocast and self.active:
+            self.active.pop().__exit__(None, None, None)
+        return _cast_floating(output, self.param)
+
+
+def _install(module: nn.Module, device: torch.device, policy: pp.PrecisionPolicy, autocast: bool) -> None:
+    compute = _Compute(device, policy, autocast)
+    module.register_forward_pre_hook(compute.before, with_kwargs=True)
+    module.register_forward_hook(compute.after, with_kwargs=True, always_call=True)
 
 
 def prepare(model: nn.Module, policy: pp.PrecisionPolicy | None, device: torch.device, stage: int,
@@ -134,9 +147,9 @@ def prepare(model: nn.Module, policy: pp.PrecisionPolicy | None, device: torch.d
         model = model.to(param)
     fsdp = stage >= 2 and data_size > 1
     if policy.mixed and not fsdp:
-        _wrap_forward(model, device, policy, autocast=True)
+        _install(model, device, policy, autocast=True)
     elif not policy.mixed:
-        _wrap_forward(model, device, policy, autocast=False)
+        _install(model, device, policy, autocast=False)
     return model
 
 

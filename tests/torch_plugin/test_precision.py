@@ -212,8 +212,29 @@ def test_an_adapter_that_applies_the_precision_itself_passes_precision_none():
     # leaves the module's dtypes and forward alone, under a Strategy whose precision is bf16-true.
     strategy = pp.Strategy(data=1, precision="bf16-true")
     plain = strategy.wrap_model(net(), precision=None)
-    assert next(plain.parameters()).dtype == torch.float32 and "forward" not in vars(plain)
+    x = dataset()[:4][0]
+    assert next(plain.parameters()).dtype == torch.float32 and plain(x).dtype == torch.float32
     cast = strategy.wrap_model(net())
-    assert next(cast.parameters()).dtype == torch.bfloat16 and cast(dataset()[:4][0]).dtype == torch.bfloat16
+    assert next(cast.parameters()).dtype == torch.bfloat16 and cast(x).dtype == torch.bfloat16
     with pytest.raises(pp.PluginError, match=r"wrap_model\(precision=\) takes a PrecisionPolicy or None"):
         strategy.wrap_model(net(), precision="bf16-true")
+
+
+def test_the_compute_dtype_travels_with_a_copy_and_autocast_ends_when_forward_raises():
+    import copy
+
+    strategy = pp.Strategy(data=1, precision="bf16-mixed")
+    model = strategy.wrap_model(net())
+    x = dataset()[:4][0]
+    twin = copy.deepcopy(model)  # an EMA copy: its own weights, the same precision
+    with torch.no_grad():
+        twin[0].weight.zero_()
+        twin[0].bias.zero_()
+    assert not torch.equal(model(x), twin(x)) and twin(x).dtype == torch.float32
+    seen = []
+    twin[2].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    twin(x)
+    assert seen == [torch.bfloat16]  # autocast inside the copy too
+    with pytest.raises(RuntimeError):
+        model(torch.randn(4, 5))  # wrong width: forward raises inside autocast
+    assert not torch.is_autocast_enabled("cpu")  # and autocast did not stay on
