@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import polyparallel as pp
 
-__all__ = ["check_backend", "default_device", "find_default_group", "make_default_group", "owns_default_group",
+__all__ = ["check_backend", "default_device", "find_default_group", "loopback_rendezvous", "make_default_group", "owns_default_group",
            "release_groups", "resolved_backend", "subgroup_options", "use_default_group"]
 
 # The default process group, when polyparallel created it, and how many open runtimes use it.
@@ -80,9 +80,29 @@ def find_default_group(rank: int, world_size: int) -> bool:
 
 
 def make_default_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """``init_process_group`` (the default group is then polyparallel's to destroy)."""
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    """``init_process_group`` (the default group is then polyparallel's to destroy); its store on
+    loopback only when the job is on one host (see :func:`loopback_rendezvous`)."""
+    store = loopback_rendezvous(rank, world_size, timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            **({"store": store} if store is not None else {}))
     _WORLD["group"] = dist.group.WORLD
+
+
+def loopback_rendezvous(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The default group's store when ``MASTER_ADDR`` is a loopback address (one host: the
+    ``polyparallel.launch`` workers, a single-node launch): served by rank 0 on loopback only,
+    where torch's ``env://`` rendezvous would listen on every interface. ``None`` otherwise (torch
+    makes it), and under torchrun's agent store, which the workers only connect to."""
+    from .channel_auth import is_loopback, loopback_store
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if (not is_loopback(host) or not port.isdigit()
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"):
+        return None
+    options: dict[str, Any] = {"world_size": world_size, "timeout": timeout, "use_libuv": os.environ.get("USE_LIBUV", "1") == "1"}
+    if rank == 0:
+        return loopback_store(int(port), str(host), wait_for_workers=False, **options)
+    return dist.TCPStore(str(host), int(port), is_master=False, **options)
 
 
 def use_default_group() -> None:
