@@ -124,7 +124,7 @@ class HostChannel:
                 "(MASTER_ADDR:MASTER_PORT): keep it on loopback or a trusted network. The operation was not run.",
                 operation="host check", axis=key.split("/")[0], rank=me,
             )
-        return tuple(value[0]), value[1]  # type: ignore[return-value]
+        return tuple(value[0]), value[1]
 
 
 def _make_channel(session: pp.Session) -> HostChannel:
