@@ -180,7 +180,7 @@ def read_dir(directory: str) -> dict[int, dict[str, Any]]:
 def _read_trace_file(path: str) -> list[dict[str, Any]]:
     """The records of one ``rank<r>.jsonl``: a header object, then entries (each checked with
     :func:`entry_problem`). :raises ValueError: naming the file and the line."""
-    not_trace = f"{path} is not a trace file (JSON lines written by polyparallel)"
+    not_trace = f"{path} is not a trace file (JSON lines)"
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]

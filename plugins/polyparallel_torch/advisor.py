@@ -33,6 +33,7 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel._advisor import LayerProfile, ModelProfile, RuntimeTraits, resolve_factory
+from polyparallel._errors import exception_summary
 
 __all__ = ["TorchAdvisor", "build", "layer_flops"]
 
@@ -65,7 +66,10 @@ def build(spec: str) -> Built:
     from torch import nn
 
     factory = resolve_factory(spec)
-    made = factory()
+    try:
+        made = factory()
+    except Exception as exc:  # the user's factory: its failure is a bad --model, named as such
+        raise TypeError(f"--model {spec}: calling the factory failed: {exception_summary(exc)}") from None
     given: dict[str, Any] = dict(made) if isinstance(made, dict) else {"model": made}
     model = given.get("model")
     if not isinstance(model, nn.Module):

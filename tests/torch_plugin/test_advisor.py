@@ -231,6 +231,36 @@ def test_flops_in_the_root_s_own_forward_are_counted():
     assert by_name["OwnMatmul (own parameters and computation)"] == 3 * 2 * 16 * 16, by_name
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    ("json:loads", "--model json:loads: calling the factory failed: TypeError: loads() missing 1 required positional"),
+    ("no_such_module_here:f", "--model no_such_module_here:f: cannot import 'no_such_module_here'"),
+    ("json", "--model must be MODULE:FACTORY"),
+    ("json:dumps_nothing", "--model json:dumps_nothing: 'json' has no callable 'dumps_nothing'"),
+])
+def test_a_bad_model_is_a_usage_error_naming_the_option(spec, message):
+    from click.testing import CliRunner
+
+    from polyparallel.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", "--model", spec, "--world", "2", "--batch", "4"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exception, result.output)
+    assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+def test_bench_comm_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(timeout):
+    from click.testing import CliRunner
+
+    from polyparallel.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench-comm", "--world", "2", "--timeout", timeout])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exception, result.output)
+    assert "Invalid value for '--timeout': expected a positive, finite number of seconds" in result.output
+    result = CliRunner().invoke(cli, ["plan", "--model", MLP, "--world", "2", "--batch", "4", "--measure", "1",
+                                      "--timeout", timeout])
+    assert result.exit_code == 2 and "'--timeout'" in result.output, result.output
+
+
 def _bench_worker(strategy: pp.Strategy) -> dict:
     from polyparallel import _trace
     from polyparallel_torch.advisor import bench_rank
