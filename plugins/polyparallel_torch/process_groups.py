@@ -101,7 +101,10 @@ def loopback_rendezvous(rank: int, world_size: int, timeout: datetime.timedelta)
         return None
     options: dict[str, Any] = {"world_size": world_size, "timeout": timeout, "use_libuv": os.environ.get("USE_LIBUV", "1") == "1"}
     if rank == 0:
-        return loopback_store(int(port), str(host), wait_for_workers=False, **options)
+        try:
+            return loopback_store(int(port), str(host), wait_for_workers=False, **options)
+        except OSError:  # the port is held (e.g. by a store of this process torch shares): torch's own way
+            return None
     return dist.TCPStore(str(host), int(port), is_master=False, **options)
 
 
