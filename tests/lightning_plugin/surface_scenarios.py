@@ -10,8 +10,8 @@ import contextlib
 import importlib
 import io
 import os
-from datetime import timedelta
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
