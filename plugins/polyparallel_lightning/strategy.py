@@ -26,6 +26,10 @@ gradients                     ``strategy.sync_grads(model)`` after the closure, 
                               all-reduce (Lightning's epoch means are batch-size weighted)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
                               before each checkpoint (the ``StatePolicy``)
+predictions                   gathered at ``on_predict_end``: every row once, in order, on every
+                              rank (:mod:`.predict`)
+refusals                      the declared surface's refused callbacks and Tuner calls, at
+                              ``setup_environment``, before any collective (:mod:`.surface`)
 checkpoints                   ``strategy.save``/``strategy.load``: one DCP directory that reshards
                               (:mod:`.checkpoint`); the training loader resumes mid-epoch
 decisions, barriers           over the world (every rank must agree to stop or to save)

@@ -104,7 +104,8 @@ def _e(name: str, test: str, differs: str = "") -> Entry:
 
 _ENTRY_POINTS = [
     _e(_TRAINER + "fit", TRAIN, "trains as one process with the same global batch (the loader's batch_size is each "
-       "data rank's share)"),
+       "data rank's share); as under Lightning's own DDP, the training loader is shuffled (by the Strategy's seed) "
+       "even when the loader is not, so one process equals it when it takes the global batches in that order"),
     _e(_TRAINER + "validate", EVALUATE, "every sample once (no padding): metrics logged with sync_dist=True are the "
        "whole set's"),
     _e(_TRAINER + "test", EVALUATE, "as validate"),
