@@ -60,7 +60,11 @@ def _check_devices(nprocs: int) -> None:
 def launch_function(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
                     timeout: float | None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` XLA replicas; the results by rank."""
+    from polyparallel._payload import inspect_payload, refuse_interactive
+
     _check_devices(nprocs)
+    refuse_interactive(inspect_payload(fn, args, kwargs), "xla", "its replicas in a fresh interpreter "
+                       "(torch_xla.launch; the XLA runtime cannot be forked)")
     directory = tempfile.mkdtemp(prefix="polyparallel-xla-")
     try:
         main = sys.modules.get("__main__")
