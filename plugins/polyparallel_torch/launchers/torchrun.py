@@ -20,6 +20,7 @@ from polyparallel._errors import exception_summary
 from .base import free_port
 from .records import record_of
 from .root_cause import RankEnd, root_cause
+from .script_worker import LAUNCHER_ENV
 
 __all__ = ["launch_script"]
 
@@ -67,8 +68,10 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []
         argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", *safe_path, "-m", WORKER_MODULE]
     trace_dir = options.get("trace_dir")
-    saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
-    if trace_dir:  # the agent hands this process's environment to the workers
+    saved = {name: os.environ.get(name) for name in ("POLYPARALLEL_TRACE_DIR", LAUNCHER_ENV)}
+    # The agent (torchrun.run, in this process) hands this process's environment to the workers.
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers end with this process (script_worker)
+    if trace_dir:
         os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
     try:
         torchrun.run(torchrun.parse_args([*argv, *command]))
@@ -91,11 +94,11 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     finally:
         if fresh_store:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        if trace_dir:
-            if saved is None:
-                os.environ.pop("POLYPARALLEL_TRACE_DIR", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["POLYPARALLEL_TRACE_DIR"] = saved
+                os.environ[name] = value
     return 0
 
 
