@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from pathlib import Path
@@ -210,33 +209,10 @@ def launch(command: tuple[str, ...], **options: Any) -> None:
     e.g. node 0's address, and a free port there).
     """
     _check_launch_options(options)
-    _check_script(command)
     code = get_plugin_manager().call("polyparallel_launch_script", command=list(command), options=options)
     if code is None:
         raise click.ClickException("no installed plugin can launch scripts; install one: pip install 'polyparallel[torch]'")
     sys.exit(code)
-
-
-def _check_script(command: tuple[str, ...]) -> None:
-    """Refuse a script that is missing or does not compile, before any agent or worker starts (a
-    worker would only fail after the rendezvous). A command that starts with an option (``-m``)
-    is the launcher's to run."""
-    if not command or command[0].startswith("-"):
-        return
-    script = command[0]
-    if not os.path.isfile(script):
-        where = "" if os.path.isabs(script) else f" (looked for in {os.getcwd()})"
-        raise click.BadParameter(f"no such script: {script!r}{where}. Give the path of a Python script.",
-                                 param_hint="'SCRIPT'")
-    try:
-        with open(script, "rb") as f:
-            compile(f.read(), script, "exec", dont_inherit=True)
-    except SyntaxError as exc:
-        line = f"\n    {exc.text.rstrip()}" if exc.text else ""
-        raise click.ClickException(f"{script}:{exc.lineno}: {type(exc).__name__}: {exc.msg}{line}\nNo process was "
-                                   "started: fix the script and launch again.") from None
-    except (OSError, ValueError) as exc:
-        raise click.ClickException(f"cannot read the script {script!r}: {exc}. No process was started.") from None
 
 
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")  # torchrun's names for "one per device"

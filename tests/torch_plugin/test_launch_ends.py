@@ -63,7 +63,7 @@ def test_a_cli_launcher_killed_by_sigkill_takes_its_workers_along(tmp_path):
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [
-    ("missing.py", None, r"Invalid value for 'SCRIPT': no such script: '.*missing\.py'"),
+    ("missing.py", None, r"^polyparallel launch: no such script: '.*missing\.py'\. No process was started"),
     ("broken.py", "import os\n\ndef f(:\n    pass\n", r"broken\.py:3: SyntaxError: .*\n    def f\(:\nNo process was started"),
 ])
 def test_a_script_that_cannot_run_is_refused_before_any_agent_starts(tmp_path, name, text, message):
@@ -73,7 +73,7 @@ def test_a_script_that_cannot_run_is_refused_before_any_agent_starts(tmp_path, n
     start = time.monotonic()
     proc = subprocess.run(_cli("--nproc-per-node", "2", str(script)), capture_output=True, text=True, timeout=120,
                           env={**os.environ, "TORCHELASTIC_LOG_LEVEL": "INFO"})
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert __import__("re").search(message, proc.stderr), proc.stderr
     # Nothing started: no agent, no rendezvous, no worker (torchrun logs its agent's start).
     assert "Starting elastic_operator" not in proc.stderr and "rdzv" not in proc.stderr.lower()

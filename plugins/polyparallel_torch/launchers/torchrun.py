@@ -36,6 +36,10 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     wait for every node to join; ``trace_dir`` makes every worker write its collective trace there.
     Returns the exit code.
     """
+    problem = script_problem(command)
+    if problem is not None:
+        print(f"polyparallel launch: {problem}", file=sys.stderr, flush=True)
+        return 2
     from torch.distributed import run as torchrun
 
     endpoint = options.get("rdzv_endpoint") or "127.0.0.1:0"
@@ -100,6 +104,28 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
             else:
                 os.environ[name] = value
     return 0
+
+
+def script_problem(command: list[str]) -> str | None:
+    """Why the script cannot run (missing, or it does not compile), judged before any agent or
+    worker starts (a worker would fail only after the rendezvous, every rank alike); ``None``
+    when it can. A command that starts with an option (``-m``) is torchrun's to run."""
+    if not command or command[0].startswith("-"):
+        return None
+    script = command[0]
+    if not os.path.isfile(script):
+        where = "" if os.path.isabs(script) else f" (looked for in {os.getcwd()})"
+        return f"no such script: {script!r}{where}. No process was started: give the path of a Python script."
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        line = f"\n    {exc.text.rstrip()}" if exc.text else ""
+        return (f"{script}:{exc.lineno}: {type(exc).__name__}: {exc.msg}{line}\nNo process was started: fix the "
+                "script and launch again.")
+    except (OSError, ValueError) as exc:
+        return f"cannot read the script {script!r}: {exc}. No process was started."
+    return None
 
 
 def _report(failures: dict[int, Any]) -> str:
