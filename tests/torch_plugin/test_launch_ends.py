@@ -154,3 +154,34 @@ def test_a_rank_alive_but_silent_while_its_peers_time_out_is_named_as_the_suspec
     assert info.value.rank == 1, message
     assert message.startswith("rank 1 of 2 is the suspect: its peers' collectives timed out waiting for it, and it "
                               "was still running but never answered"), message
+
+
+FREEZING_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch
+    import polyparallel as pp
+
+    s = pp.Strategy(data=-1, timeout=float(sys.argv[2]))
+    model = s.wrap_model(torch.nn.Linear(4, 1))
+    for step in range(10**6):
+        model(torch.ones(2, 4)).sum().backward()
+        if step == 3 and s.rank == 1:
+            with open(sys.argv[1], "w") as f:
+                f.write(str(time.monotonic()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+""")
+
+
+@pytest.mark.timeout(150)
+def test_a_frozen_rank_of_a_cli_launch_is_killed_at_once_and_named(tmp_path):
+    script = tmp_path / "freeze.py"
+    script.write_text(FREEZING_SCRIPT)
+    marker = tmp_path / "frozen-at"
+    proc = subprocess.run(_cli("--nproc-per-node", "2", str(script), str(marker), str(TIMEOUT)), capture_output=True,
+                          text=True, timeout=140)
+    took = time.monotonic() - float(marker.read_text())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    # Before: torchrun's agent sent the frozen worker a SIGTERM it cannot receive and waited 30 s.
+    assert took < TIMEOUT + 6, took
+    assert "polyparallel launch: rank 1 of 2 is the suspect: its peers' collectives timed out waiting for it, and it " \
+           "was frozen" in proc.stderr, proc.stderr[-3000:]

@@ -22,11 +22,12 @@ from typing import Any
 
 import polyparallel as pp
 
+from .base import is_frozen
 from .launch_dir import error_path
 from .records import read_failure
 from .root_cause import RankEnd, root_cause
 
-__all__ = ["GRACE_S", "STOP_S", "is_frozen", "stop", "supervise"]
+__all__ = ["GRACE_S", "STOP_S", "stop", "supervise"]
 
 GRACE_S = 5.0
 """Seconds the other ranks get, after the first failure, to save their errors and exit."""
@@ -77,18 +78,6 @@ def _a_rank_failed(processes: list[Any], outdir: str, nprocs: int) -> bool:
     """Whether some rank exited with an error or saved a failure record."""
     return any(p.exitcode not in (None, 0) for p in processes) or any(
         os.path.exists(error_path(outdir, r)) for r in range(nprocs))
-
-
-def is_frozen(pid: int | None) -> bool:
-    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot run.
-    Read from ``/proc`` (Linux); ``False`` where there is none."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def _ends(processes: list[Any], outdir: str, nprocs: int, stopped: set[int], frozen: set[int]) -> list[RankEnd]:

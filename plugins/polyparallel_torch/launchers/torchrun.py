@@ -13,11 +13,13 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from polyparallel._errors import exception_summary
 
 from .base import free_port
+from .frozen import FrozenWatch
 from .records import record_of
 from .root_cause import RankEnd, root_cause
 from .script_worker import LAUNCHER_ENV
@@ -77,8 +79,10 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers end with this process (script_worker)
     if trace_dir:
         os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
+    watch = FrozenWatch(WORKER_MODULE)
     try:
-        torchrun.run(torchrun.parse_args([*argv, *command]))
+        with watch:
+            torchrun.run(torchrun.parse_args([*argv, *command]))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
@@ -86,7 +90,7 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
         from torch.distributed.elastic.rendezvous import RendezvousError
 
         if isinstance(exc, ChildFailedError):
-            print(f"polyparallel launch: {_report(exc.failures)}", file=sys.stderr, flush=True)
+            print(f"polyparallel launch: {_report(exc.failures, watch.killed)}", file=sys.stderr, flush=True)
             return 1
         hint = ""
         if isinstance(exc, RendezvousError):
@@ -128,15 +132,17 @@ def script_problem(command: list[str]) -> str | None:
     return None
 
 
-def _report(failures: dict[int, Any]) -> str:
-    """The report of torchrun's failed workers (``ProcessFailure`` by global rank)."""
+def _report(failures: dict[int, Any], frozen: AbstractSet[int] = frozenset()) -> str:
+    """The report of torchrun's failed workers (``ProcessFailure`` by global rank); ``frozen``:
+    the pids of the frozen workers the watch killed (:mod:`.frozen`)."""
     ends = []
     for rank, failure in sorted(failures.items()):
         record = record_of(failure.error_file_data)
+        was_frozen = record is None and failure.pid in frozen
         # SIGTERM is how the agent stops the other workers once one failed: a consequence, not a cause.
-        stopped = record is None and failure.exitcode == -signal.SIGTERM
-        ends.append(RankEnd(rank, record, failure.exitcode, stopped=stopped,
-                            detail="" if record else str(failure.message)))
+        stopped = record is None and (failure.exitcode == -signal.SIGTERM or was_frozen)
+        ends.append(RankEnd(rank, record, failure.exitcode, stopped=stopped, frozen=was_frozen,
+                            detail="" if record or was_frozen else str(failure.message)))
     # The agent does not know the world size; the workers' records say it.
     sizes = [int(e.record["world_size"]) for e in ends if e.record and e.record.get("world_size")]
     world = max(sizes) if sizes else (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
