@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import exception_summary
+from ._errors import LaunchError, exception_summary
 
 __all__ = ["Payload", "inspect_payload", "interactive_main", "refuse_interactive"]
 
@@ -114,12 +114,12 @@ def inspect_payload(fn: Any, args: tuple, kwargs: Mapping[str, Any]) -> Payload:
 
 
 def refuse_interactive(payload: Payload, runtime: str, how: str) -> None:
-    """Raise a ``TypeError`` when ``payload`` is interactive: the ``runtime`` starts its processes
+    """Raise a :class:`LaunchError` (before any process starts) when ``payload`` is interactive: the ``runtime`` starts its processes
     as ``how`` says (fresh interpreters), which cannot import what ``__main__`` defines."""
     if not payload.main_names:
         return
     names = ", ".join(payload.main_names[:5])
-    raise TypeError(
+    raise LaunchError(
         f"launch(): {names} {'is' if len(payload.main_names) == 1 else 'are'} defined in an interactive __main__ "
         f"(a notebook cell, `python -`, `python -c`), and the {runtime!r} runtime starts {how}, which cannot "
         f"import {'it' if len(payload.main_names) == 1 else 'them'}. Put the function (and what it uses) in a "
