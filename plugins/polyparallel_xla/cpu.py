@@ -25,7 +25,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CPU_ENV", "abort_ordered_sync", "cpu_env", "install_ordered_sync", "launch_env", "on_pjrt_cpu"]
+__all__ = ["CPU_ENV", "cpu_env", "install_ordered_sync", "launch_env", "on_pjrt_cpu"]
 
 #: Environment for N XLA CPU devices served by threads (besides ``CPU_NUM_DEVICES``).
 CPU_ENV = {"PJRT_DEVICE": "CPU", "XLA_ENABLE_PARAM_ALIASING": "false", "XLA_THREAD_POOL_SIZE": "16",
@@ -60,7 +60,6 @@ def install_ordered_sync() -> None:
         # first keeps one replica's collective from waiting in XLA's rendezvous, whose 10 s
         # termination timeout aborts the process, while another is still busy on a loaded machine.
         arrive = threading.Barrier(int(os.environ.get("CPU_NUM_DEVICES", "1")), timeout=120)
-        _installed["barrier"] = arrive
 
         def ordered_sync(wait: bool = False, reset_scope: bool = True) -> None:
             arrive.wait()
@@ -92,10 +91,3 @@ def launch_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with :data:`CPU_ENV`'s settings added where it sets none (a value the user set is kept)."""
     return {**CPU_ENV, **env}
 
-
-def abort_ordered_sync() -> None:
-    """A replica failed: release the others from the sync barrier now (``BrokenBarrierError``)
-    rather than after its 120 s timeout."""
-    barrier = _installed.get("barrier")
-    if barrier is not None:
-        barrier.abort()

@@ -199,7 +199,6 @@ def _replica(index: int, directory: str) -> None:
         os.replace(os.path.join(directory, f"{rank}.ok.pkl.tmp"), os.path.join(directory, f"{rank}.ok.pkl"))
     except BaseException as exc:  # saved for the parent; the other replicas go on to their own checks
         _save_error(directory, str(rank), rank, exc)
-        cpu.abort_ordered_sync()  # the others would wait for this replica at their next sync
 
 
 def main(directory: str) -> int:
