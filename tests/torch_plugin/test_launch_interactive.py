@@ -132,3 +132,30 @@ def test_spawned_payload_problems_are_named_before_any_process():
                                         r"lives only in the process that made it: build it inside fn"):
         pp.launch(print, s, 2, kwargs={"store": dist.HashStore()}, timeout=30)
     assert time.monotonic() - start < 2.0
+
+
+OPENMP = """
+    import torch
+    import polyparallel as pp
+
+    torch.set_num_threads(2)
+    a = torch.randn(256, 256)
+    for _ in range(10):
+        a = (a @ a).tanh()  # the parent's OpenMP pool is live before the fork
+
+    def train(strategy):
+        b = torch.randn(256, 256)
+        for _ in range(10):
+            b = (b @ b).tanh()  # would wait forever for the parent's pool threads, absent in the copy
+        return strategy.reduce_metrics({"threads": float(torch.get_num_threads())})
+
+    strategy = pp.Strategy(data=-1, timeout=30)
+    print("RESULT", pp.launch(train, strategy, nprocs=2, args=(strategy,), timeout=60))
+"""
+
+
+def test_forked_processes_do_not_hang_on_the_parents_openmp_pool(tmp_path):
+    out = subprocess.run([sys.executable, "-"], input=textwrap.dedent(OPENMP), capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="2"), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "RESULT [{'threads': 1.0}, {'threads': 1.0}]" in out.stdout  # one thread each, as torchrun gives

@@ -169,6 +169,12 @@ def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, npro
 
         _fork.forget_parent()
         strategy, args, kwargs = _fresh_strategies(strategy, args, kwargs)
+        # One CPU thread per process, as torchrun gives its workers: the copy inherits the kernel's
+        # OpenMP pool without its threads, and a parallel region would wait for them forever.
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(rank_environment(local_rank, nprocs, local_rank, nprocs, "127.0.0.1", port))
     if trace_dir is not None:  # written when a collective fails and at exit (polyparallel._trace)
         from polyparallel import _trace
