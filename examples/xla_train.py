@@ -5,8 +5,8 @@
 
 Each replica gets a disjoint shard of the data (an MpDeviceLoader), gradients are averaged over
 the data axis with XLA all-reduces, and the reported loss is the count-weighted global value.
-On CPU devices upstream torch_xla needs test-only settings to run collectives from several
-threads (pytorch/xla issue 9089): ``--cpu-workaround`` applies them (polyparallel_xla.testing).
+On CPU devices, where the replicas are threads of one process, ``pp.launch`` applies what upstream
+torch_xla needs to run collectives from several threads (pytorch/xla issue 9089; polyparallel_xla.cpu).
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ def make_data(n: int = 1000) -> TensorDataset:
     return TensorDataset(x, x[:, :4].argmax(-1))
 
 
-def train(state: dict[str, torch.Tensor], epochs: int, cpu_workaround: bool) -> dict[str, float]:
+def train(state: dict[str, torch.Tensor], epochs: int) -> dict[str, float]:
     import torch_xla
 
-    if cpu_workaround:
-        from polyparallel_xla.testing import install_ordered_sync
-
-        install_ordered_sync()
     strategy = pp.Strategy(data=-1, runtime="xla", batch_size=64, timeout=60)
     loader = strategy.shard_data(make_data(), shuffle=True, remainder="drop")
     model = make_model()
@@ -62,15 +58,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nprocs", type=int, default=int(os.environ.get("CPU_NUM_DEVICES", "2")))
     parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--cpu-workaround", action="store_true", help="test-only settings for XLA CPU devices")
     args = parser.parse_args()
-    if args.cpu_workaround:
-        from polyparallel_xla.testing import cpu_env
-
-        os.environ.update(cpu_env(args.nprocs))
     strategy = pp.Strategy(data=-1, runtime="xla", batch_size=64, timeout=60)
-    results = pp.launch(train, strategy, nprocs=args.nprocs, args=(make_model().state_dict(), args.epochs,
-                                                                     args.cpu_workaround), timeout=600)
+    results = pp.launch(train, strategy, nprocs=args.nprocs, args=(make_model().state_dict(), args.epochs),
+                       timeout=600)
     print(f"last-epoch loss over {args.nprocs} XLA devices: {results[0]['loss']:.4f}")
 
 

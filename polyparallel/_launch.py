@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _routing, _trace
-from ._errors import NoPluginError, TopologyError, UnsupportedTopologyError, exception_summary
+from . import _payload, _routing, _trace
+from ._errors import NoPluginError, TopologyError, UnsupportedTopologyError
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
@@ -54,7 +53,9 @@ def launch(
     is pickled into the processes with that runtime choice, so they run the same runtime. A
     failing rank raises :class:`LaunchError` with its traceback; the other ranks are stopped.
 
-    :param fn: a picklable, module-level callable.
+    :param fn: a picklable, module-level callable; or, from a notebook or ``python -``, a
+        function defined there (the torch runtime then forks its processes; see
+        docs/operations/launch.md#notebooks).
     :param strategy: the :class:`Strategy`; it is pickled into each process.
     :param nprocs: number of processes.
     :param args: positional arguments for ``fn`` (a tuple or list; pickled).
@@ -145,12 +146,12 @@ def launch(
                         "Drop trace_dir=, or use a runtime that records (torch).")
     _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})", strategy.accumulate)
     args, kwargs = tuple(args), dict(kwargs or {})
-    try:  # here, not in a half-started job: the processes get them pickled
-        pickle.dumps((fn, args, kwargs))
-    except Exception as exc:
-        raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: "
-                        f"{exception_summary(exc, first_line=False)}. Define fn at module level (not a lambda or a nested "
-                        "function) and pass picklable arguments.") from exc
+    # Here, not in a half-started job: the processes get them pickled. What an interactive
+    # __main__ (a notebook cell, `python -`) defines cannot be imported by a fresh process: the
+    # runtime's launcher decides (torch forks; the others refuse, _payload.refuse_interactive).
+    payload = _payload.inspect_payload(fn, args, kwargs)
+    if payload.problem is not None and not payload.main_names:
+        raise TypeError(f"launch(): fn, args and kwargs must be picklable to reach the processes: {payload.problem}")
     results = pm.call_for_runtime("polyparallel_launch", chosen, fn=fn, strategy=strategy, runtime=chosen,
                                   nprocs=nprocs, args=args, kwargs=kwargs, timeout=timeout, trace_dir=trace_dir)
     if results is None:

@@ -108,10 +108,16 @@ def polyparallel_launch(fn: Callable[..., Any], strategy: pp.Strategy, runtime: 
                         kwargs: dict, timeout: float | None, trace_dir: str | None) -> list[Any] | None:
     """Run ``fn`` in ``nprocs`` JAX processes (one CPU device each) joined by
     ``jax.distributed``; only on the JAX runtime."""
+    from polyparallel._payload import inspect_payload, refuse_interactive
+
     from . import precision
     from .launch import launch_processes
 
     precision.check(strategy.precision, "launch()")  # what the capabilities cannot say, before any process
+    # JAX is not fork-safe (its runtime is multithreaded): fresh interpreters only.
+    refuse_interactive(inspect_payload(fn, args, kwargs), runtime,
+                       "fresh interpreters (JAX cannot be forked; in a notebook, JAX runs on several devices in the "
+                       "kernel itself: no launch is needed)")
     return launch_processes(fn, nprocs, args=args, kwargs=kwargs,
                             timeout=timeout if timeout is not None else max(120.0, 4 * strategy.timeout),
                             trace_dir=trace_dir)

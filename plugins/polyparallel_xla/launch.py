@@ -12,9 +12,14 @@ waits for the supervisor (killing its process group after ``timeout``) and retur
 by rank, or raises :class:`polyparallel.LaunchError` with the root cause: the earliest failure
 that is not a collective failure, with its traceback, and one line per other failed rank.
 
+On PJRT CPU (``PJRT_DEVICE=CPU``: the replicas are threads of the supervisor) the launch applies
+what such replicas need (:mod:`.cpu`, pytorch/xla issue 9089): the supervisor's environment gets
+:data:`.cpu.CPU_ENV`'s settings where the user set none, and each replica installs the ordered
+sync before ``fn`` runs.
+
 Before anything starts, the device count is checked where it can be known without starting the
-XLA runtime: with ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES`` must equal ``nprocs`` (the parent sets
-nothing in the environment). Elsewhere (TPU) each replica checks ``torch_xla.runtime.world_size()``.
+XLA runtime: with ``PJRT_DEVICE=CPU``, ``CPU_NUM_DEVICES`` must equal ``nprocs`` (the parent's own
+environment is left as it is: only the supervisor's gets the CPU settings). Elsewhere (TPU) each replica checks ``torch_xla.runtime.world_size()``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel._errors import exception_summary
+
+from . import cpu
 
 __all__ = ["launch_function"]
 
@@ -60,7 +67,11 @@ def _check_devices(nprocs: int) -> None:
 def launch_function(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
                     timeout: float | None) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` XLA replicas; the results by rank."""
+    from polyparallel._payload import inspect_payload, refuse_interactive
+
     _check_devices(nprocs)
+    refuse_interactive(inspect_payload(fn, args, kwargs), "xla", "its replicas in a fresh interpreter "
+                       "(torch_xla.launch; the XLA runtime cannot be forked)")
     directory = tempfile.mkdtemp(prefix="polyparallel-xla-")
     try:
         main = sys.modules.get("__main__")
@@ -73,6 +84,8 @@ def launch_function(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kw
             pickle.dump((fn, strategy, nprocs, args, kwargs), f)
         # The supervisor imports what the parent can import (a test module's function, say).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if cpu.on_pjrt_cpu(env):  # what replica threads on PJRT CPU need (pytorch/xla#9089): see cpu.py
+            env = cpu.launch_env(env)
         log_path = os.path.join(directory, "output.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "polyparallel_xla.launch", directory], env=env,
@@ -173,6 +186,8 @@ def _replica(index: int, directory: str) -> None:
         with open(os.path.join(directory, "job.pkl"), "rb") as f:
             fn, strategy, nprocs, args, kwargs = pickle.load(f)
         rank = xr.global_ordinal()
+        if cpu.on_pjrt_cpu():
+            cpu.install_ordered_sync()
         if xr.world_size() != nprocs:
             raise pp.TopologyError(f"launch(nprocs={nprocs}) on the XLA runtime, but torch_xla started "
                                    f"{xr.world_size()} replicas (one per XLA device): launch nprocs={xr.world_size()}.")

@@ -245,7 +245,8 @@ PROBES: list[Probe] = [
     ("launch-kwargs-keys", lambda pm: pp.launch(train, S(pm), 2, kwargs={1: 2}), TypeError,
      r"launch\(kwargs=\) must be a mapping of argument name \(str\) -> value"),
     ("launch-lambda", lambda pm: pp.launch(lambda: 1, S(pm), 2), TypeError,
-     r"launch\(\): fn, args and kwargs must be picklable to reach the processes: .* Define fn at module level"),
+     r"launch\(\): fn, args and kwargs must be picklable to reach the processes: fn is a lambda, which cannot be "
+     r"pickled: define it with `def` at the top level of a module"),
     ("launch-world-mismatch", lambda pm: pp.launch(train, S(pm, data=2), 3), pp.TopologyError,
      r"Topology\(pipeline=1, data=2, tensor=1\) needs 2 ranks but the world size is 3"),
     ("launch-batch", lambda pm: pp.launch(train, S(pm, batch_size=8), 3), pp.TopologyError,

@@ -107,3 +107,27 @@ def test_a_process_that_skips_a_collective_times_out_and_its_trace_shows_where(m
 def _line(marker: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if marker in line and "_line(" not in line)
+
+
+@pytest.mark.timeout(120)
+def test_a_function_of_a_notebook_or_python_stdin_is_refused_before_any_process(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import polyparallel as pp
+
+        def train():
+            return 1
+
+        try:
+            pp.launch(train, pp.Strategy(data=-1, runtime="jax"), nprocs=2)
+        except pp.LaunchError as exc:
+            print("REFUSED", exc)
+    """)
+    done = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=100,
+                          cwd=str(tmp_path))
+    assert "REFUSED launch(): train is defined in an interactive __main__" in done.stdout, done.stderr[-2000:]
+    assert "the 'jax' runtime starts fresh interpreters (JAX cannot be forked" in done.stdout
+    assert "Put the function (and what it uses) in a file" in done.stdout

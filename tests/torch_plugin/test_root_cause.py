@@ -87,3 +87,31 @@ def test_exit_texts_and_no_ranks():
     assert exit_text(None) == "exited with code None"
     with pytest.raises(ValueError, match="needs the ranks that did not succeed"):
         root_cause([])
+
+
+def _timed_out(rank, at):
+    return _record(pp.CollectiveTimeout(f"sync_grads #3 over the 'data' axis timed out on rank {rank} after 20 s",
+                                        operation="sync_grads", axis="data", rank=rank), rank, at=at)
+
+
+def test_a_rank_its_peers_timed_out_waiting_for_is_the_suspect_frozen_first():
+    ends = [RankEnd(0, _timed_out(0, at=0.0), 1), RankEnd(1, None, None, stopped=True),
+            RankEnd(2, None, -signal.SIGKILL, stopped=True, frozen=True), RankEnd(3, _timed_out(3, at=0.1), 1)]
+    cause = root_cause(ends, 4)
+    assert cause.rank == 2 and cause.traceback == ""
+    assert cause.message.startswith("rank 2 of 4 is the suspect: its peers' collectives timed out waiting for it, and "
+                                    "it was frozen (stopped by a signal, SIGSTOP, or its machine paused)")
+    assert "\n  rank 1: stopped by the launcher" in cause.message
+    assert "\nRank 0's timeout:\n" in cause.message and "timed out on rank 0 after 20 s" in cause.message
+    # Without a frozen rank: a peer's own CollectiveTimeout already names what every rank was
+    # doing (its hang report), so it stays the cause; a backend's bare timeout (DDP's, in
+    # backward) does not, and the rank alive but silent is the suspect.
+    assert root_cause([RankEnd(0, _timed_out(0, at=0.0), 1), RankEnd(1, None, None, stopped=True)], 2).rank == 0
+    from torch.distributed import DistBackendError
+
+    bare = _record(DistBackendError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv"), 0)
+    cause = root_cause([RankEnd(0, bare, 1), RankEnd(1, None, None, stopped=True)], 2)
+    assert cause.rank == 1 and "was still running but never answered" in cause.message
+    # A peer's lost connection (no timeout) keeps the old order: the earliest collective
+    # failure, not a rank the launcher stopped.
+    assert root_cause([RankEnd(0, _lost_peer(0, at=0.0), 1), RankEnd(1, None, None, stopped=True)], 2).rank == 0

@@ -9,7 +9,8 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["Stopped", "end_with_parent", "free_port", "rank_environment", "stop_on_sigterm", "write_atomically"]
+__all__ = ["Stopped", "end_with_parent", "free_port", "is_frozen", "proc_state", "rank_environment", "stop_on_sigterm",
+           "write_atomically"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,6 +57,21 @@ def end_with_parent(parent: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it died before prctl took effect
         raise SystemExit(1)
+
+
+def proc_state(pid: int) -> str | None:
+    """The process's state letter in ``/proc`` (``R``, ``S``, ``T`` stopped, ``Z`` ended but not
+    reaped), ``None`` when it is gone (or where there is no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def is_frozen(pid: int | None) -> bool:
+    """Whether the process is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it cannot run."""
+    return pid is not None and proc_state(pid) in ("T", "t")
 
 
 # -- files ---------------------------------------------------------------------------------------------------------

@@ -31,8 +31,9 @@ from .teardown import close_sessions, end_process, wait_for_peers
 __all__ = ["START_METHOD", "launch_function"]
 
 START_METHOD = "spawn"
-"""How the workers start: a fresh interpreter each, which imports ``fn`` by its module and name
-(so ``fn`` must be importable: defined in a module, not in an interactive ``__main__``)."""
+"""How the workers start: a fresh interpreter each, which imports ``fn`` by its module and name.
+A payload an interactive ``__main__`` defines (a notebook cell, ``python -``) cannot be imported
+there: its workers start by ``fork`` instead (:func:`start_method`), where that is safe."""
 
 
 def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
@@ -46,6 +47,7 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
     """
     timeout = _check_timeout(timeout)
     _check_backend(strategy.backend, nprocs)
+    method = start_method(fn, args, kwargs)
     import torch.multiprocessing as mp
 
     remove_stale_launch_dirs()
@@ -61,8 +63,8 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
         try:
             context = mp.start_processes(
                 _worker, args=(fn, strategy, nprocs, free_port(), outdir, args, kwargs, os.getpid(), trace_dir,
-                               endpoint),
-                nprocs=nprocs, join=False, start_method=START_METHOD,
+                               endpoint, method == "fork"),
+                nprocs=nprocs, join=False, start_method=method,
             )
             supervise(context.processes, outdir, nprocs, timeout)
             return [_load_result(outdir, rank, context.processes[rank].exitcode) for rank in range(nprocs)]
@@ -73,6 +75,43 @@ def launch_function(fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int, 
                     # The pipes multiprocessing keeps per process, else open until garbage collection.
                     process.close()
             del store
+
+
+def start_method(fn: Callable[..., Any], args: tuple, kwargs: dict) -> str:
+    """``"spawn"``, or ``"fork"`` when the payload lives in an interactive ``__main__`` (which a
+    spawned interpreter cannot import). Forking is refused, before any process starts, where the
+    copy would be broken: CUDA initialised here (a forked process cannot use it), a live
+    torch.distributed process group here (the copy would hold the parent's connections), or a
+    platform without ``fork``; each refusal names what to move into the function."""
+    from polyparallel._payload import inspect_payload
+
+    payload = inspect_payload(fn, args, kwargs)
+    if not payload.main_names:
+        return START_METHOD
+    import multiprocessing
+    import sys
+
+    names = ", ".join(payload.main_names[:5])
+    where = (f"launch(): {names} {'is' if len(payload.main_names) == 1 else 'are'} defined in an interactive "
+             "__main__ (a notebook cell, `python -`), which a fresh process cannot import, so the processes are "
+             "started by fork, a copy of this one; ")
+    in_a_file = (" Or put the function in a file next to the notebook and import it from there (the processes "
+                 "are then started fresh).")
+    if "fork" not in multiprocessing.get_all_start_methods():
+        raise pp.LaunchError(where + f"this platform ({sys.platform}) cannot fork." + in_a_file)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise pp.LaunchError(where + "but CUDA is initialised in this process (a tensor or model was put on a GPU, "
+                             "or torch.cuda was queried), and a forked process cannot use CUDA. Restart the kernel "
+                             "and move every CUDA use (building the model, .cuda(), .to('cuda')) into the function."
+                             + in_a_file)
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise pp.LaunchError(where + "but this process has a live torch.distributed process group (init_process_group "
+                             "was called here, or a strategy's operation ran here), and a copy of it would share "
+                             "its connections. Restart the kernel and call only pp.launch here: the strategy's "
+                             "operations belong inside the function, where each process has its own group."
+                             + in_a_file)
+    return "fork"
 
 
 def _check_timeout(timeout: Any) -> float | None:
@@ -122,9 +161,20 @@ def _check_backend(backend: str | None, nprocs: int) -> None:
 
 def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, nprocs: int,
             port: int, outdir: str, args: tuple, kwargs: dict, launcher: int, trace_dir: str | None = None,
-            trace_store: str | None = None) -> None:
+            trace_store: str | None = None, forked: bool = False) -> None:
     stop_on_sigterm()
     end_with_parent(launcher)
+    if forked:  # a copy of the launcher: start from the state a spawned worker has
+        from polyparallel import _fork
+
+        _fork.forget_parent()
+        strategy, args, kwargs = _fresh_strategies(strategy, args, kwargs)
+        # One CPU thread per process, as torchrun gives its workers: the copy inherits the kernel's
+        # OpenMP pool without its threads, and a parallel region would wait for them forever.
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(rank_environment(local_rank, nprocs, local_rank, nprocs, "127.0.0.1", port))
     if trace_dir is not None:  # written when a collective fails and at exit (polyparallel._trace)
         from polyparallel import _trace
@@ -149,7 +199,16 @@ def _worker(local_rank: int, fn: Callable[..., Any], strategy: pp.Strategy, npro
         if not os.path.exists(error_path(outdir, local_rank)):
             write_failure(error_path(outdir, local_rank), exc, local_rank, nprocs)
         code = 1
-    end_process(code)  # outside every except block (see its doc)
+    end_process(code, forked)  # outside every except block (see its doc)
+
+
+def _fresh_strategies(strategy: pp.Strategy, args: tuple, kwargs: dict) -> tuple[pp.Strategy, tuple, dict]:
+    """The strategy, and the strategies among the arguments, as a spawned worker gets them:
+    pickled copies, bound to this process's plugin manager (not the parent's sessions)."""
+    def fresh(value: Any) -> Any:
+        return pickle.loads(pickle.dumps(value)) if isinstance(value, pp.Strategy) else value
+
+    return fresh(strategy), tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}
 
 
 def _run(rank: int, fn: Callable[..., Any], strategy: pp.Strategy, outdir: str, nprocs: int, args: tuple,

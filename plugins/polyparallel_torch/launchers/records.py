@@ -13,6 +13,10 @@ timestamp), plus a ``polyparallel`` record, which is what the launchers read
   the failures (:mod:`.root_cause` uses the monotonic clock when all records come from one host);
 - ``collective``: whether the error is a collective failure, which is usually a consequence of
   a peer's failure (:func:`polyparallel_torch.backend_errors.is_collective_failure`);
+- ``timeout``: whether it is a collective timeout (a peer never answered:
+  :func:`polyparallel_torch.backend_errors.is_timeout`); ``explained``: whether the error itself
+  says what every peer was doing (a :class:`polyparallel.CollectiveTimeout` of the strategy's
+  operations carries the hang report; a backend's own timeout, DDP's in backward, does not);
 - ``summary``: the error in one line; ``traceback``: all of it.
 
 Function mode writes it as ``<rank>.err.json`` in the launch directory, script mode where
@@ -28,9 +32,10 @@ import time
 import traceback
 from typing import Any
 
+import polyparallel as pp
 from polyparallel._errors import exception_summary
 
-from ..backend_errors import is_collective_failure
+from ..backend_errors import is_collective_failure, is_timeout
 from .base import write_atomically
 
 __all__ = ["failure_record", "read_failure", "record_of", "write_failure"]
@@ -40,7 +45,8 @@ def failure_record(exc: BaseException, rank: int, world_size: int | None) -> dic
     """The ``polyparallel`` record of ``exc``, raised on ``rank`` of ``world_size``."""
     return {
         "rank": rank, "world_size": world_size, "host": socket.gethostname(), "time": time.time(),
-        "monotonic": time.monotonic(), "collective": is_collective_failure(exc), "summary": exception_summary(exc),
+        "monotonic": time.monotonic(), "collective": is_collective_failure(exc), "timeout": is_timeout(exc),
+        "explained": isinstance(exc, pp.CollectiveTimeout), "summary": exception_summary(exc),
         "traceback": "".join(traceback.format_exception(exc)),
     }
 

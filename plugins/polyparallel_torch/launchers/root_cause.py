@@ -9,8 +9,14 @@ cause, chosen in this order:
 2. else the lowest rank that ended without a record and was not stopped by the launcher (a
    signal, ``os._exit``: likelier the cause than a peer's collective error, which is what its
    death looks like from the other side);
-3. else the earliest collective failure;
-4. else the lowest rank the launcher stopped.
+3. else, when the peers' collectives timed out, the rank they waited for, named as the suspect:
+   the lowest one that was frozen (stopped by a signal, SIGSTOP: it cannot run); else, when no
+   peer's error already says what every rank was doing (the strategy's own timeouts carry that
+   hang report; a backend's timeout, such as DDP's in backward, does not), the lowest one the
+   launcher found alive but silent (no error of its own: it never called the collective, or is
+   stuck outside one);
+4. else the earliest collective failure;
+5. else the lowest rank the launcher stopped.
 
 The report is the root cause's line (its error in one line, or how it ended), its whole
 traceback, and one line per other rank that did not succeed.
@@ -35,6 +41,8 @@ class RankEnd:
     :ivar exitcode: its exit code (negative: the signal that killed it), ``None`` if unknown.
     :ivar stopped: the launcher stopped it after another rank failed.
     :ivar detail: the launcher's own words on how it ended (torchrun's message), if any.
+    :ivar frozen: it was stopped by a signal (SIGSTOP, a paused machine) when the launcher
+        stopped it: it could not run, so it never answered its peers.
     """
 
     rank: int
@@ -42,6 +50,7 @@ class RankEnd:
     exitcode: int | None
     stopped: bool = False
     detail: str = ""
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,8 +83,19 @@ def _choose(ends: Sequence[RankEnd]) -> RankEnd:
     own = sorted((e for e in recorded if e.record and not e.record.get("collective")), key=when)
     silent = sorted((e for e in ends if not e.record and not e.stopped), key=lambda e: e.rank)
     collective = sorted((e for e in recorded if e.record and e.record.get("collective")), key=when)
-    stopped = sorted((e for e in ends if not e.record and e.stopped), key=lambda e: e.rank)
-    return (own or silent or collective or stopped)[0]
+    stopped = sorted((e for e in ends if not e.record and e.stopped), key=lambda e: (not e.frozen, e.rank))
+    return (own or silent or _waited_for(ends, stopped) or collective or stopped)[0]
+
+
+def _waited_for(ends: Sequence[RankEnd], stopped: list[RankEnd]) -> list[RankEnd]:
+    """The stopped ranks that are suspects (rule 3): frozen ones, or silent ones nobody explained."""
+    timeouts = [e.record for e in ends if e.record and e.record.get("timeout")]
+    if not timeouts:
+        return []
+    frozen = [e for e in stopped if e.frozen]
+    if frozen or any(r.get("explained") for r in timeouts):
+        return frozen
+    return stopped
 
 
 def _line(end: RankEnd) -> str:
@@ -84,6 +104,8 @@ def _line(end: RankEnd) -> str:
         kind = " (collective failure: probably a consequence)" if end.record.get("collective") else ""
         return f"  rank {end.rank}: {end.record['summary']}{kind}"
     detail = f" ({end.detail})" if end.detail else ""
+    if end.frozen:
+        return f"  rank {end.rank}: frozen (stopped by a signal), killed by the launcher{detail}"
     if end.stopped:
         return f"  rank {end.rank}: stopped by the launcher{detail}"
     return f"  rank {end.rank}: {exit_text(end.exitcode)}, no traceback{detail}"
@@ -102,5 +124,15 @@ def root_cause(ends: Sequence[RankEnd], world_size: int | None = None) -> RootCa
         text = str(root.record["traceback"]).rstrip()
         return RootCause(root.rank, f"rank {root.rank}{of} failed: {root.record['summary']}\n{text}{tail}", text)
     detail = f": {root.detail}" if root.detail else ""
+    timeouts = sorted((e for e in ends if e.record and e.record.get("timeout")), key=lambda e: e.rank)
+    if root.stopped and timeouts:
+        how = ("was frozen (stopped by a signal, SIGSTOP, or its machine paused) and never answered; the launcher "
+               "killed it" if root.frozen else
+               "was still running but never answered (no error of its own: it skipped a collective its peers "
+               "called, or is stuck outside one); the launcher stopped it")
+        peer = timeouts[0].record or {}
+        return RootCause(root.rank, f"rank {root.rank}{of} is the suspect: its peers' collectives timed out waiting "
+                                    f"for it, and it {how}{detail}\nRank {timeouts[0].rank}'s timeout:\n"
+                                    f"{str(peer.get('traceback', '')).rstrip()}{tail}", "")
     return RootCause(root.rank, f"rank {root.rank}{of} {exit_text(root.exitcode)} without a traceback (killed, or it "
                                 f"ended the process itself){detail}{tail}", "")

@@ -19,7 +19,11 @@ import traceback
 
 from polyparallel._errors import exception_summary
 
-__all__ = ["main", "record_error"]
+__all__ = ["LAUNCHER_ENV", "main", "record_error"]
+
+LAUNCHER_ENV = "POLYPARALLEL_LAUNCHER_PID"
+"""The process id of ``polyparallel launch`` (whose torchrun agent starts the workers): a worker
+ends when it dies, even by SIGKILL (the parent-death signal, as ``pp.launch``'s workers have)."""
 
 
 def record_error(exc: BaseException) -> None:
@@ -52,6 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m polyparallel_torch.launchers.script_worker SCRIPT [ARGS]")
     script = argv[0]
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if launcher.isdigit():  # SIGTERM when the launcher dies; exit at once if it already has
+        from .base import end_with_parent
+
+        end_with_parent(int(launcher))
     sys.argv = argv
     _script_path_first(os.path.dirname(os.path.abspath(script)))
     try:

@@ -85,10 +85,15 @@ def _runtimes(managers: list[Any]) -> Iterator[Any]:
                 yield runtime
 
 
-def end_process(code: int) -> None:
+def end_process(code: int, forked: bool = False) -> None:
     """Step 4: collect garbage, flush, and end with ``code`` by a normal interpreter exit. Call it
-    outside every ``except`` block: a traceback would keep fn's frames (and the models in them) alive."""
+    outside every ``except`` block: a traceback would keep fn's frames (and the models in them) alive.
+    A ``forked`` worker (``multiprocessing`` ends it with ``os._exit``) runs its ``atexit`` handlers here."""
     gc.collect()
+    if forked:
+        from polyparallel import _fork
+
+        _fork.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     if code:

@@ -13,13 +13,16 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from polyparallel._errors import exception_summary
 
 from .base import free_port
+from .frozen import FrozenWatch
 from .records import record_of
 from .root_cause import RankEnd, root_cause
+from .script_worker import LAUNCHER_ENV
 
 __all__ = ["launch_script"]
 
@@ -35,6 +38,10 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     wait for every node to join; ``trace_dir`` makes every worker write its collective trace there.
     Returns the exit code.
     """
+    problem = script_problem(command)
+    if problem is not None:
+        print(f"polyparallel launch: {problem}", file=sys.stderr, flush=True)
+        return 2
     from torch.distributed import run as torchrun
 
     endpoint = options.get("rdzv_endpoint") or "127.0.0.1:0"
@@ -67,11 +74,15 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
         safe_path = ["-P"] if sys.version_info >= (3, 11) else []
         argv += ["--no-python", os.getenv("PYTHON_EXEC", sys.executable), "-u", *safe_path, "-m", WORKER_MODULE]
     trace_dir = options.get("trace_dir")
-    saved = os.environ.get("POLYPARALLEL_TRACE_DIR")
-    if trace_dir:  # the agent hands this process's environment to the workers
+    saved = {name: os.environ.get(name) for name in ("POLYPARALLEL_TRACE_DIR", LAUNCHER_ENV)}
+    # The agent (torchrun.run, in this process) hands this process's environment to the workers.
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers end with this process (script_worker)
+    if trace_dir:
         os.environ["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
+    watch = FrozenWatch(WORKER_MODULE)
     try:
-        torchrun.run(torchrun.parse_args([*argv, *command]))
+        with watch:
+            torchrun.run(torchrun.parse_args([*argv, *command]))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except Exception as exc:
@@ -79,7 +90,7 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
         from torch.distributed.elastic.rendezvous import RendezvousError
 
         if isinstance(exc, ChildFailedError):
-            print(f"polyparallel launch: {_report(exc.failures)}", file=sys.stderr, flush=True)
+            print(f"polyparallel launch: {_report(exc.failures, watch.killed)}", file=sys.stderr, flush=True)
             return 1
         hint = ""
         if isinstance(exc, RendezvousError):
@@ -91,23 +102,47 @@ def launch_script(command: list[str], options: dict[str, Any]) -> int:
     finally:
         if fresh_store:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        if trace_dir:
-            if saved is None:
-                os.environ.pop("POLYPARALLEL_TRACE_DIR", None)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ["POLYPARALLEL_TRACE_DIR"] = saved
+                os.environ[name] = value
     return 0
 
 
-def _report(failures: dict[int, Any]) -> str:
-    """The report of torchrun's failed workers (``ProcessFailure`` by global rank)."""
+def script_problem(command: list[str]) -> str | None:
+    """Why the script cannot run (missing, or it does not compile), judged before any agent or
+    worker starts (a worker would fail only after the rendezvous, every rank alike); ``None``
+    when it can. A command that starts with an option (``-m``) is torchrun's to run."""
+    if not command or command[0].startswith("-"):
+        return None
+    script = command[0]
+    if not os.path.isfile(script):
+        where = "" if os.path.isabs(script) else f" (looked for in {os.getcwd()})"
+        return f"no such script: {script!r}{where}. No process was started: give the path of a Python script."
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        line = f"\n    {exc.text.rstrip()}" if exc.text else ""
+        return (f"{script}:{exc.lineno}: {type(exc).__name__}: {exc.msg}{line}\nNo process was started: fix the "
+                "script and launch again.")
+    except (OSError, ValueError) as exc:
+        return f"cannot read the script {script!r}: {exc}. No process was started."
+    return None
+
+
+def _report(failures: dict[int, Any], frozen: AbstractSet[int] = frozenset()) -> str:
+    """The report of torchrun's failed workers (``ProcessFailure`` by global rank); ``frozen``:
+    the pids of the frozen workers the watch killed (:mod:`.frozen`)."""
     ends = []
     for rank, failure in sorted(failures.items()):
         record = record_of(failure.error_file_data)
+        was_frozen = record is None and failure.pid in frozen
         # SIGTERM is how the agent stops the other workers once one failed: a consequence, not a cause.
-        stopped = record is None and failure.exitcode == -signal.SIGTERM
-        ends.append(RankEnd(rank, record, failure.exitcode, stopped=stopped,
-                            detail="" if record else str(failure.message)))
+        stopped = record is None and (failure.exitcode == -signal.SIGTERM or was_frozen)
+        ends.append(RankEnd(rank, record, failure.exitcode, stopped=stopped, frozen=was_frozen,
+                            detail="" if record or was_frozen else str(failure.message)))
     # The agent does not know the world size; the workers' records say it.
     sizes = [int(e.record["world_size"]) for e in ends if e.record and e.record.get("world_size")]
     world = max(sizes) if sizes else (int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else None)
