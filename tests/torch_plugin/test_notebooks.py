@@ -4,8 +4,9 @@ its processes from the kernel, and the results come back to the notebook.
 
 Each notebook's last cell prints one ``RESULT {json}`` line, asserted on here: the 2-process run
 equals the same run in one process (same seed, same global batch, on 1,437 samples, which no
-global batch divides). Slow (a kernel and two launches each: 40-60 s on a loaded 2-core machine);
-the fast check of the same path is ``test_launch_interactive.py`` (``python -``).
+global batch divides). A kernel and two launches each: 40-60 s on a loaded 2-core machine, so the
+torch notebook runs in the default suite and the fastai one with ``--runslow``; the faster check of
+the same path is ``test_launch_interactive.py`` (``python -``).
 """
 
 import json
@@ -13,7 +14,8 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# The torch notebook runs in the default suite (one real kernel, ~40 s); the fastai one is slow.
+pytestmark = [pytest.mark.multiprocess]
 
 NOTEBOOKS = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "notebooks")
 
@@ -43,6 +45,7 @@ def test_the_torch_notebook_trains_on_two_processes_like_one():
     assert "44 steps, last loss" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_fastai_notebook_fits_learners_on_two_processes_like_one():
     pytest.importorskip("fastai")
