@@ -27,6 +27,8 @@ from torch.utils.data import TensorDataset  # noqa: E402
 import polyparallel as pp  # noqa: E402
 from polyparallel_torch.checkpoint_files import read_dcp_metadata  # noqa: E402
 
+from ._accumulation import runtime_accumulates  # noqa: E402
+
 pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH, LR = 8, 1e-2
@@ -134,7 +136,8 @@ def _round_trips(strategy, root):
         "module": _refused(lambda: strategy.save(f"{root}/r3", model=engine.module)),
         "module load": _refused(lambda: strategy.load(f"{root}/zero3", model=engine.module)),
     }
-    accumulating = _engine(strategy.replace(zero=2), gradient_accumulation_steps=2)
+    runtime_accumulates(strategy)
+    accumulating = _engine(strategy.replace(zero=2, accumulate=2))
     x, y = next(iter(strategy.shard_data(_dataset(), batch_size=16)))
     accumulating.backward(_loss(accumulating(x[:4]), y[:4]))
     accumulating.step()  # one micro-step of two

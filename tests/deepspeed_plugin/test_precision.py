@@ -23,6 +23,8 @@ from torch import nn  # noqa: E402
 
 import polyparallel as pp  # noqa: E402
 
+from ._accumulation import runtime_accumulates  # noqa: E402
+
 GLOBAL_BATCH, LR, STEPS, SAMPLES = 8, 0.1, 3, 30
 #: bf16-mixed against one process: the two runs round different partial sums to bfloat16 (each rank's
 #: half batch vs the whole batch), so after STEPS SGD steps the weights differ by a few bfloat16 ulps
@@ -100,21 +102,8 @@ def _hand_written(zero, data, config_extra):
     return engine
 
 
-def _runtime_accumulates(strategy):
-    """The torch runtime's capabilities with ``accumulation=True`` in this process, where the
-    installed torch runtime does not declare it yet (it does on branch prec-torch; then this is a
-    no-op and can go): a session checks accumulation against its runtime, whose shard_data cuts
-    the micro-batches, while DeepSpeed's engine accumulates by itself and these loops cut their own."""
-    import dataclasses
-
-    pm = strategy.plugin_manager
-    runtimes = pm.runtimes()
-    if not runtimes["torch"].accumulation:
-        pm._runtimes = {**runtimes, "torch": dataclasses.replace(runtimes["torch"], accumulation=True)}
-
-
 def _equivalence(strategy, stages, precision_stages):
-    _runtime_accumulates(strategy)
+    runtime_accumulates(strategy)
     rank, data = strategy.session().rank, strategy.topology.size("data")
     out = {"fp32": {}, "bf16": {}, "hand": {}}
     for zero in stages:

@@ -21,6 +21,8 @@ from torch.utils.data import TensorDataset  # noqa: E402
 import polyparallel as pp  # noqa: E402
 from polyparallel_deepspeed import UnsupportedConfigError, build_config, surface  # noqa: E402
 
+from ._accumulation import runtime_accumulates  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH, LR, STEPS, EVAL = 8, 1e-2, 4, 37  # 37 evaluation samples: 19 and 18 at data=2
 
@@ -190,11 +192,14 @@ def _variants(strategy, root):
     from polyparallel_deepspeed.testing import engine_params
 
     out = {}
+    runtime_accumulates(strategy)
     for name, (stage, config, micro) in VARIANTS.items():
         s = strategy.replace(zero=stage)
         model = _model()
         optimizer = None if "optimizer" in config else torch.optim.Adam(model.parameters(), **ADAM)
-        engine = s.adapt("deepspeed", model=model, optimizer=optimizer, config=config)
+        # Its accumulation is the Strategy's (a config value must agree with it); the batches are
+        # the accumulate=1 strategy's, cut into the micro-batches here.
+        engine = s.replace(accumulate=micro).adapt("deepspeed", model=model, optimizer=optimizer, config=config)
         batches = iter(s.shard_data(_data(64, 1), shuffle=True))
         for _ in range(STEPS):
             x, y = next(batches)
