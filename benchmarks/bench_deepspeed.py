@@ -111,7 +111,7 @@ def main() -> None:
     per_launch: list[tuple[float, float]] = []
     rounds_ms: dict[str, list[float]] = {}
     for _ in range(max(1, args.launches)):
-        results = pp.launch(_worker, strategy, 2, args=(strategy, rounds, args.steps), timeout=1200)
+        results = pp.launch(_worker, strategy, 2, args=(strategy, rounds, args.steps), timeout=1200, runtime="deepspeed")
         assert all(results[0]["bf16"].values()) == (args.precision == "bf16-mixed"), results[0]["bf16"]
         # A step ends when the slower rank ends it: per round, the slower rank's median.
         launch_ms = {name: [1000 * max(r["per_round_s"][name][i] for r in results) for i in range(rounds)]
