@@ -27,8 +27,6 @@ from torch.utils.data import TensorDataset  # noqa: E402
 import polyparallel as pp  # noqa: E402
 from polyparallel_torch.checkpoint_files import read_dcp_metadata  # noqa: E402
 
-from ._accumulation import runtime_accumulates  # noqa: E402
-
 pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH, LR = 8, 1e-2
@@ -136,7 +134,6 @@ def _round_trips(strategy, root):
         "module": _refused(lambda: strategy.save(f"{root}/r3", model=engine.module)),
         "module load": _refused(lambda: strategy.load(f"{root}/zero3", model=engine.module)),
     }
-    runtime_accumulates(strategy)
     accumulating = _engine(strategy.replace(zero=2, accumulate=2))
     x, y = next(iter(strategy.shard_data(_dataset(), batch_size=16)))
     accumulating.backward(_loss(accumulating(x[:4]), y[:4]))

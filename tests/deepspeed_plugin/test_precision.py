@@ -8,10 +8,8 @@
   weights and optimizer state.
 
 The training set has 30 samples (the global batch of 8 does not divide it; the short last batch
-is not trained on, as a DataLoader with ``drop_last`` does). The launches use ``accumulate=1``
-strategies and ``replace(accumulate=)`` inside the processes: ``pp.launch`` checks accumulation
-against the torch runtime as well, whose micro-batches come from its ``shard_data`` (the loops here
-cut the micro-batches themselves).
+is not trained on, as a DataLoader with ``drop_last`` does). The loops cut the micro-batches
+themselves, so one launch compares several accumulations (``replace(accumulate=)`` inside it).
 """
 
 import pytest
@@ -22,8 +20,6 @@ pytest.importorskip("deepspeed")
 from torch import nn  # noqa: E402
 
 import polyparallel as pp  # noqa: E402
-
-from ._accumulation import runtime_accumulates  # noqa: E402
 
 GLOBAL_BATCH, LR, STEPS, SAMPLES = 8, 0.1, 3, 30
 #: bf16-mixed against one process: the two runs round different partial sums to bfloat16 (each rank's
@@ -103,7 +99,6 @@ def _hand_written(zero, data, config_extra):
 
 
 def _equivalence(strategy, stages, precision_stages):
-    runtime_accumulates(strategy)
     rank, data = strategy.session().rank, strategy.topology.size("data")
     out = {"fp32": {}, "bf16": {}, "hand": {}}
     for zero in stages:

@@ -21,8 +21,6 @@ from torch.utils.data import TensorDataset  # noqa: E402
 import polyparallel as pp  # noqa: E402
 from polyparallel_deepspeed import UnsupportedConfigError, build_config, surface  # noqa: E402
 
-from ._accumulation import runtime_accumulates  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH, LR, STEPS, EVAL = 8, 1e-2, 4, 37  # 37 evaluation samples: 19 and 18 at data=2
 
@@ -192,7 +190,6 @@ def _variants(strategy, root):
     from polyparallel_deepspeed.testing import engine_params
 
     out = {}
-    runtime_accumulates(strategy)
     for name, (stage, config, micro) in VARIANTS.items():
         s = strategy.replace(zero=stage)
         model = _model()
