@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--zero", type=int, default=2, help="ZeRO stage 0-3 (0/1 with a pipeline)")
     parser.add_argument("--pipeline", type=int, default=1)
-    parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps (Strategy(accumulate=))")
     parser.add_argument("--epochs", type=int, default=PROBLEM.epochs)
     parser.add_argument("--ignite", action="store_true", help="train and evaluate inside ignite Engines")
     args = parser.parse_args(argv)
     p = PROBLEM
     strategy = pp.Strategy(data=-1, pipeline=args.pipeline, zero=args.zero, batch_size=p.global_batch, seed=p.seed,
-                           timeout=120)
+                           accumulate=args.accumulation, timeout=120)
     strategy.check("deepspeed")  # refused here, before any process group: what DeepSpeed cannot run
     if args.ignite:
         strategy.check("ignite")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     train = TensorDataset(torch.tensor(x_train), torch.tensor(y_train))
     test = TensorDataset(torch.tensor(x_test), torch.tensor(y_test))
     model = build_model()
-    engine = strategy.adapt("deepspeed", model=model, accumulation=args.accumulation,
+    engine = strategy.adapt("deepspeed", model=model,
                             optimizer=torch.optim.SGD(model.parameters(), lr=p.lr, momentum=p.momentum),
                             loss_fn=nn.functional.cross_entropy,  # used by the pipeline's last stage
                             config={"steps_per_print": 10_000})

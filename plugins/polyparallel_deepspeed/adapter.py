@@ -155,7 +155,7 @@ def _keep_stage_params(optimizer: torch.optim.Optimizer, stage: nn.Module) -> No
 
 def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, config: dict[str, Any] | None = None,
                *, loss_fn: Callable[..., torch.Tensor] | None = None, partition_method: str = "parameters",
-               micro_batch_size: int | None = None, accumulation: int | None = None,
+               micro_batch_size: int | None = None,
                model_parameters: Any = None, lr_scheduler: Any = None,
                pipeline_options: dict[str, Any] | None = None, **initialize_kwargs: Any) -> Any:
     """``deepspeed.initialize`` driven by ``strategy``; returns the engine (``DeepSpeedEngine``,
@@ -171,8 +171,9 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     :param config: the user's DeepSpeed options; merged by :func:`~.config.build_config` (ZeRO
         stage and batch sizes from the Strategy; a contradiction is an error naming both).
     :param loss_fn: the pipeline's loss, ``loss_fn(outputs, labels)`` (required with ``pipeline > 1``).
-    :param micro_batch_size, accumulation: ``train_micro_batch_size_per_gpu`` and
-        ``gradient_accumulation_steps`` (or set them in ``config``).
+    :param micro_batch_size: ``train_micro_batch_size_per_gpu`` (or set it in ``config``); it must
+        agree with the Strategy's ``batch_size / (data x accumulate)``. Gradient accumulation is
+        the Strategy's (``Strategy(accumulate=N)``): ``adapt(accumulation=)`` is refused.
     :param pipeline_options: further ``PipelineModule`` arguments with ``pipeline > 1``
         (``activation_checkpoint_interval``, ...); those the adapter sets, and those the surface
         refuses, are refused.
@@ -181,6 +182,10 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     if model is None:
         raise TypeError("adapt('deepspeed') needs model= (an nn.Module; with pipeline > 1 an nn.Sequential or a "
                         "list of layers).")
+    if "accumulation" in initialize_kwargs:
+        raise TypeError(f"adapt('deepspeed', accumulation={initialize_kwargs['accumulation']!r}) is not taken: gradient "
+                        "accumulation belongs to the Strategy, so the global batch means the same in every framework. "
+                        "Use Strategy(accumulate=N) (the adapter writes gradient_accumulation_steps from it).")
     for reserved in ("mpu", "config_params", "args", "dist_init_required", "mesh_param"):
         if reserved in initialize_kwargs:
             raise TypeError(f"adapt('deepspeed') sets deepspeed.initialize's {reserved}= from the Strategy; do not pass it.")
@@ -190,7 +195,7 @@ def initialize(strategy: pp.Strategy, model: Any = None, optimizer: Any = None, 
     pipeline = topology.size("pipeline")
     ds_config = build_config(strategy, config, data_size=topology.size("data"),
                              torch_optimizer=isinstance(optimizer, torch.optim.Optimizer),
-                             micro_batch_size=micro_batch_size, accumulation=accumulation)
+                             micro_batch_size=micro_batch_size)
     _check_both(optimizer, lr_scheduler, ds_config)
     _check_model(model, pipeline)
     _check_dtypes(model, strategy.shard_policy.stage)

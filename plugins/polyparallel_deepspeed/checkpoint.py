@@ -27,8 +27,11 @@ What a DeepSpeed checkpoint holds, under the names a plain module would have (no
 prefix; a pipeline stage's layers under their index in the unsplit ``nn.Sequential``):
 
 - **parameters**: the fp32 master copy where DeepSpeed keeps one (ZeRO 1-3: the optimizer's
-  partitions, gathered with DeepSpeed's ``safe_get_full_fp32_param``), else the module's tensor
-  (ZeRO 0, frozen parameters; at ZeRO-3 gathered); persistent **buffers** as they are;
+  partitions, gathered with DeepSpeed's ``safe_get_full_fp32_param``; ZeRO-0 with bf16: the
+  float32 copies its bf16 wrapper steps), else the module's tensor (ZeRO 0 in fp32, frozen
+  parameters; at ZeRO-3 gathered); persistent **buffers** as they are. A bf16 engine
+  (``Strategy(precision="bf16-mixed")``) so saves float32 weights, which load into an fp32 model
+  or engine as into a bf16 one (whose bfloat16 module gets them rounded, its master copy exact);
 - **optimizer state** (``optimizer=engine.optimizer``, or the torch optimizer given to ``adapt``),
   in the layout ``get_state_dict(..., flatten_optimizer_state_dict=True)`` gives a plain module:
   ``state.<name>.<key>`` per parameter (DeepSpeed's flat partitions gathered with
@@ -40,8 +43,7 @@ prefix; a pipeline stage's layers under their index in the unsplit ``nn.Sequenti
 - what every torch checkpoint holds: the loader's position, each rank's RNG states, the extras.
 
 Refused on every rank before any collective (a checkpoint that would not restore the run):
-an fp16 or bf16 engine (its loss scaler and low-precision copies have no place in the format;
-precision is a separate issue), optimizer or parameter offload (partitions swapped to host or
+an fp16 engine (its loss scaler has no place in the format), optimizer or parameter offload (partitions swapped to host or
 NVMe), a save between the micro-steps of a gradient-accumulation boundary (the accumulated
 gradients are not saved), ``optimizer=`` that is not the engine's, an optimizer that has taken no
 step yet (no state to save; save without ``optimizer=``), optimizer state that is neither
@@ -88,6 +90,8 @@ class _Layout:
     inner: torch.optim.Optimizer | None  # the torch optimizer DeepSpeed steps (its flat partitions at ZeRO 1-3)
     # id(parameter) -> (the tensor the inner optimizer's state is keyed by, its param group index)
     slots: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
+    # ZeRO-0 bf16: id(bfloat16 module parameter) -> its float32 master copy (DeepSpeed's wrapper's fp32_groups)
+    masters: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def flats(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -107,10 +111,10 @@ def _layout(engine: Any, where: str) -> _Layout:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    if engine.fp16_enabled() or engine.bfloat16_enabled():
-        raise _refuse(where, "fp16/bf16 engines are not checkpointed by polyparallel (their loss scaler and "
-                             "low-precision copies have no place in the portable format). Train in fp32, or use "
-                             "DeepSpeed's own engine.save_checkpoint for mixed precision.")
+    if engine.fp16_enabled():
+        raise _refuse(where, "fp16 engines are not checkpointed by polyparallel (their loss scaler has no place in "
+                             "the portable format). Train in fp32 or bf16 (Strategy(precision='bf16-mixed')), or use "
+                             "DeepSpeed's own engine.save_checkpoint.")
     if engine.zero_offload_optimizer() is not None or engine.zero_offload_param() is not None:
         raise _refuse(where, "ZeRO offload (offload_optimizer / offload_param) swaps partitions out of the "
                              "optimizer; the checkpoint hooks read only in-memory partitions. Remove the offload "
@@ -119,7 +123,17 @@ def _layout(engine: Any, where: str) -> _Layout:
     layout = _Layout(stage, inner if isinstance(inner, torch.optim.Optimizer) else None)
     if layout.inner is None:
         return layout
-    if stage == 0:
+    if stage == 0 and engine.bfloat16_enabled() and hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):
+        # DeepSpeed's bf16 wrapper (FP16_UnfusedOptimizer without loss scaling): the inner optimizer
+        # holds float32 copies of the bfloat16 module's parameters, its state keyed by them.
+        if getattr(opt, "cur_scale", 1.0) != 1.0:
+            raise _refuse(where, f"its bf16 wrapper scales the loss ({opt.cur_scale}), a state the portable format "
+                                 "has no place for.")
+        for g, (low, high) in enumerate(zip(opt.fp16_groups, opt.fp32_groups)):
+            for p, master in zip(low, high):
+                layout.slots[id(p)] = (master, g)
+                layout.masters[id(p)] = master
+    elif stage == 0:
         if opt is not inner:
             raise _refuse(where, f"its optimizer is DeepSpeed's {type(opt).__name__} wrapper, which polyparallel "
                                  "cannot read. Use a torch optimizer in fp32.")
@@ -184,12 +198,14 @@ def _gathered(param: nn.Parameter, stage: int) -> Iterator[None]:
 
 
 def _has_master(param: nn.Parameter, layout: _Layout) -> bool:
-    return layout.stage > 0 and id(param) in layout.slots and param.requires_grad
+    return (layout.stage > 0 or id(param) in layout.masters) and id(param) in layout.slots and param.requires_grad
 
 
 def _full_param(param: nn.Parameter, layout: _Layout) -> torch.Tensor:
     from deepspeed.utils import safe_get_full_fp32_param
 
+    if id(param) in layout.masters:
+        return layout.masters[id(param)].detach().clone()
     if _has_master(param, layout):
         return safe_get_full_fp32_param(param).detach().clone()
     with _gathered(param, layout.stage):
@@ -228,7 +244,7 @@ def engine_state(engine: Any, with_optimizer: bool, where: str = "Strategy.save"
             continue
         flat, group = layout.slots[id(tensor)]
         if layout.stage == 0:
-            for key, value in layout.inner.state.get(tensor, {}).items():
+            for key, value in layout.inner.state.get(flat, {}).items():
                 optim[f"state.{name}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else value
         else:
             for key in per_element:
@@ -331,12 +347,14 @@ def _targets(engine: Any, layout: _Layout, with_optimizer: bool, where: str) -> 
     model: dict[str, Any] = {}
     optim: dict[str, Any] | None = {} if with_optimizer else None
     for name, tensor in _entries(engine):
-        model[name] = torch.empty(_shape(tensor), dtype=tensor.dtype)
+        # The float32 master copy is what is saved, where DeepSpeed keeps one (bf16 module parameters).
+        dtype = torch.float32 if isinstance(tensor, nn.Parameter) and _has_master(tensor, layout) else tensor.dtype
+        model[name] = torch.empty(_shape(tensor), dtype=dtype)
         if optim is None or layout.inner is None or not isinstance(tensor, nn.Parameter) or id(tensor) not in layout.slots:
             continue
         flat, group = layout.slots[id(tensor)]
         if layout.stage == 0:
-            items = list(layout.inner.state.get(tensor, {}).items())
+            items = list(layout.inner.state.get(flat, {}).items())
         else:
             items = [(k, torch.empty(_shape(tensor), dtype=layout.inner.state[flat][k].dtype)) for k in per_element]
             items += [(k, layout.inner.state[flat][k]) for k in scalar]
@@ -363,19 +381,24 @@ def _local(param: Any, value: torch.Tensor) -> torch.Tensor:
 def _set_param(param: Any, value: torch.Tensor, layout: _Layout) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
 
-    value = value.to(param.dtype)
+    # The master copy from the value read (float32 where the checkpoint holds it), the module's
+    # parameter from it cast to the parameter's dtype (bfloat16 under bf16).
+    master, value = value.float(), value.to(param.dtype)
     if layout.stage == 3:
         local = _local(param, value)
         param.ds_tensor.data.copy_(local)
         if _has_master(param, layout):
-            safe_set_local_fp32_param(param, local.float())
+            safe_set_local_fp32_param(param, _local(param, master))
         if param.data.numel() == param.ds_numel:  # a persistent (or gathered) parameter holds the whole tensor too
             param.data.copy_(value.view(param.ds_shape))
         return
     with torch.no_grad():
         param.data.copy_(value)
+        if id(param) in layout.masters:
+            layout.masters[id(param)].copy_(master)
+            return
     if _has_master(param, layout):
-        safe_set_full_fp32_param(param, value.float())
+        safe_set_full_fp32_param(param, master)
 
 
 def _group_values(layout: _Layout, optim: dict[str, Any], entries: list[tuple[str, torch.Tensor]],
@@ -427,12 +450,13 @@ def _apply(engine: Any, layout: _Layout, converted: Any, path: str) -> None:
         if optim is None or layout.inner is None or id(tensor) not in layout.slots:
             continue
         if layout.stage == 0:
-            for key, saved in layout.inner.state.get(tensor, {}).items():
+            flat = layout.slots[id(tensor)][0]
+            for key, saved in layout.inner.state.get(flat, {}).items():
                 loaded = optim[f"state.{name}.{key}"]
                 if isinstance(saved, torch.Tensor):
                     saved.copy_(loaded)
                 else:
-                    layout.inner.state[tensor][key] = loaded
+                    layout.inner.state[flat][key] = loaded
             continue
         for key in per_element:
             loaded = optim[f"state.{name}.{key}"].float()

@@ -10,8 +10,11 @@ DeepSpeed key                           from
 ======================================  =============================================================
 ``zero_optimization.stage``             ``strategy.shard_policy.stage`` (``Strategy(zero=)``)
 ``train_batch_size``                    ``strategy.data_policy.batch_size`` (the global batch) when set
-``train_micro_batch_size_per_gpu``,     filled so that ``train_batch_size = micro x accumulation x data``
-``gradient_accumulation_steps``         (``data`` = the topology's data size), DeepSpeed's own rule
+``gradient_accumulation_steps``         ``strategy.accumulate`` (``Strategy(accumulate=)``)
+``train_micro_batch_size_per_gpu``      ``pp.micro_batch_size(batch, data, accumulate)``, so that
+                                        ``train_batch_size = micro x accumulate x data`` (DeepSpeed's rule)
+``bf16``, ``fp16``,                     ``strategy.precision`` (:mod:`.precision`)
+``communication_data_type``
 ======================================  =============================================================
 
 Defaults that make DeepSpeed behave as plain PyTorch does unless the user asks otherwise
@@ -41,6 +44,7 @@ from typing import Any
 import polyparallel as pp
 
 from .capabilities import CAPABILITIES, PIPELINE_ZERO_REASON
+from .precision import apply as apply_precision
 
 __all__ = ["PIPELINE_ZERO_REASON", "UnsupportedConfigError", "build_config", "check_strategy"]
 
@@ -54,9 +58,10 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 
 def check_strategy(strategy: pp.Strategy) -> None:
     """Refuse what DeepSpeed cannot run, before anything starts: the adapter's declared
-    capabilities (axes, ZeRO stages, no ZeRO 2/3 with a pipeline, with DeepSpeed's reason),
+    capabilities (axes, ZeRO stages, no ZeRO 2/3 with a pipeline, with DeepSpeed's reason,
+    the precisions it runs, with the reason for the others),
     which ``pp.launch(runtime="deepspeed")`` and ``adapt`` check as well."""
-    CAPABILITIES.check(strategy.topology, strategy.shard_policy.stage)
+    CAPABILITIES.check(strategy.topology, strategy.shard_policy.stage, strategy.precision, strategy.accumulate)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -65,18 +70,21 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _resolve_batch(config: dict[str, Any], strategy: pp.Strategy, data: int, micro_batch_size: int | None,
-                   accumulation: int | None) -> None:
+def _resolve_batch(config: dict[str, Any], strategy: pp.Strategy, data: int, micro_batch_size: int | None) -> None:
     given = {k: _positive_int(k, config[k]) for k in _BATCH_KEYS if config.get(k) is not None}
-    for key, value, arg in (("train_micro_batch_size_per_gpu", micro_batch_size, "micro_batch_size"),
-                            ("gradient_accumulation_steps", accumulation, "accumulation")):
-        if value is None:
-            continue
-        value = _positive_int(arg, value)
-        if key in given and given[key] != value:
-            raise pp.TopologyError(f"adapt('deepspeed', {arg}={value}) contradicts the config's {key}={given[key]}; "
-                                   "give one of them.")
-        given[key] = value
+    steps = strategy.accumulate
+    if given.get("gradient_accumulation_steps", steps) != steps:
+        raise pp.TopologyError(
+            f"The DeepSpeed config's gradient_accumulation_steps={given['gradient_accumulation_steps']} contradicts the "
+            f"Strategy's accumulate={steps} ({strategy!r}). Set the accumulation once, on the Strategy "
+            "(Strategy(accumulate=N)); the adapter writes gradient_accumulation_steps from it.")
+    if micro_batch_size is not None:
+        micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
+        key = "train_micro_batch_size_per_gpu"
+        if key in given and given[key] != micro_batch_size:
+            raise pp.TopologyError(f"adapt('deepspeed', micro_batch_size={micro_batch_size}) contradicts the config's "
+                                   f"{key}={given[key]}; give one of them.")
+        given[key] = micro_batch_size
     strategy_batch = strategy.data_policy.batch_size
     total = given.get("train_batch_size")
     if strategy_batch is not None and total is not None and total != strategy_batch:
@@ -86,28 +94,19 @@ def _resolve_batch(config: dict[str, Any], strategy: pp.Strategy, data: int, mic
             "Strategy) or make them equal.")
     total = strategy_batch if strategy_batch is not None else total
     micro = given.get("train_micro_batch_size_per_gpu")
-    steps = given.get("gradient_accumulation_steps")
-    rule = f"train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data ({data})"
+    rule = (f"train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps ({steps}, the Strategy's "
+            f"accumulate) x data ({data})")
     if total is None:
         if micro is None:
             raise pp.TopologyError(
                 "The DeepSpeed adapter needs a batch size: set the global one on the Strategy "
                 "(Strategy(batch_size=...)), or train_micro_batch_size_per_gpu in the config (or micro_batch_size=).")
-        steps = steps or 1
         total = micro * steps * data
     elif micro is None:
-        steps = steps or 1
-        if total % (steps * data):
-            raise pp.TopologyError(
-                f"The global batch size {total} does not divide into gradient_accumulation_steps={steps} x data={data} "
-                f"micro-batches ({rule}). Choose a batch size that is a multiple of {steps * data}.")
-        micro = total // (steps * data)
-    elif steps is None:
-        if total % (micro * data):
-            raise pp.TopologyError(
-                f"The global batch size {total} is not a multiple of train_micro_batch_size_per_gpu={micro} x data={data} "
-                f"({rule}). Choose a micro-batch size that divides {total // data if total % data == 0 else total}.")
-        steps = total // (micro * data)
+        try:
+            micro = pp.micro_batch_size(total, data, steps)
+        except ValueError as exc:
+            raise pp.TopologyError(f"DeepSpeed: {exc} ({rule}).") from None
     if micro * steps * data != total:
         raise pp.TopologyError(
             f"The DeepSpeed batch sizes contradict the Strategy: train_micro_batch_size_per_gpu={micro} x "
@@ -117,15 +116,14 @@ def _resolve_batch(config: dict[str, Any], strategy: pp.Strategy, data: int, mic
 
 
 def build_config(strategy: pp.Strategy, config: Mapping[str, Any] | None = None, *, data_size: int | None = None,
-                 torch_optimizer: bool = False, micro_batch_size: int | None = None,
-                 accumulation: int | None = None) -> dict[str, Any]:
+                 torch_optimizer: bool = False, micro_batch_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed config for ``strategy``: the user's ``config`` (a copy; never changed) with
     the Strategy's ZeRO stage and batch sizes, and the PyTorch-like defaults of this module.
 
     :param data_size: the data axis size (default: the strategy's, which must then be resolved).
     :param torch_optimizer: a torch optimizer object is passed to ``deepspeed.initialize``.
-    :param micro_batch_size, accumulation: ``train_micro_batch_size_per_gpu`` and
-        ``gradient_accumulation_steps`` given as arguments instead of config keys.
+    :param micro_batch_size: ``train_micro_batch_size_per_gpu`` given as an argument instead of a
+        config key (``gradient_accumulation_steps`` is the Strategy's ``accumulate``).
     :raises polyparallel.TopologyError: a user value contradicts the Strategy (named both), or the
         batch sizes do not fit together.
     :raises polyparallel.UnsupportedTopologyError: pipeline > 1 with ZeRO 2/3.
@@ -159,7 +157,8 @@ def build_config(strategy: pp.Strategy, config: Mapping[str, Any] | None = None,
     if data < 1:
         raise pp.TopologyError(f"build_config() needs a resolved data size; the topology is {strategy.topology!r}: "
                                "pass data_size=.")
-    _resolve_batch(out, strategy, data, micro_batch_size, accumulation)
+    _resolve_batch(out, strategy, data, micro_batch_size)
+    apply_precision(out, strategy)
     out.setdefault("gradient_clipping", 0.0)
     if torch_optimizer and stage >= 1:
         out.setdefault("zero_allow_untested_optimizer", True)

@@ -134,7 +134,7 @@ def _round_trips(strategy, root):
         "module": _refused(lambda: strategy.save(f"{root}/r3", model=engine.module)),
         "module load": _refused(lambda: strategy.load(f"{root}/zero3", model=engine.module)),
     }
-    accumulating = _engine(strategy.replace(zero=2), gradient_accumulation_steps=2)
+    accumulating = _engine(strategy.replace(zero=2, accumulate=2))
     x, y = next(iter(strategy.shard_data(_dataset(), batch_size=16)))
     accumulating.backward(_loss(accumulating(x[:4]), y[:4]))
     accumulating.step()  # one micro-step of two

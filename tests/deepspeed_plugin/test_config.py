@@ -13,22 +13,23 @@ def test_stage_and_batch_sizes_come_from_the_strategy():
         == (16, 8, 1)
 
 
-@pytest.mark.parametrize("given, expected", [
-    ({"gradient_accumulation_steps": 2}, (16, 4, 2)),
-    ({"train_micro_batch_size_per_gpu": 2}, (16, 2, 4)),
-    ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (16, 4, 2)),
-    ({"train_batch_size": 16}, (16, 8, 1)),
+@pytest.mark.parametrize("accumulate, given, expected", [
+    (2, {}, (16, 4, 2)),
+    (2, {"gradient_accumulation_steps": 2}, (16, 4, 2)),
+    (4, {"train_micro_batch_size_per_gpu": 2}, (16, 2, 4)),
+    (2, {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, (16, 4, 2)),
+    (1, {"train_batch_size": 16}, (16, 8, 1)),
 ])
-def test_global_batch_is_micro_times_data_times_accumulation(given, expected):
-    config = build_config(pp.Strategy(data=2, batch_size=16), given)
+def test_global_batch_is_micro_times_data_times_accumulation(accumulate, given, expected):
+    config = build_config(pp.Strategy(data=2, batch_size=16, accumulate=accumulate), given)
     assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"],
             config["gradient_accumulation_steps"]) == expected
 
 
 def test_without_a_strategy_batch_the_config_decides():
-    config = build_config(pp.Strategy(data=4), {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2})
+    config = build_config(pp.Strategy(data=4, accumulate=2), {"train_micro_batch_size_per_gpu": 3})
     assert config["train_batch_size"] == 24
-    assert build_config(pp.Strategy(data=4), micro_batch_size=3, accumulation=2)["train_batch_size"] == 24
+    assert build_config(pp.Strategy(data=4, accumulate=2), micro_batch_size=3)["train_batch_size"] == 24
 
 
 def test_pytorch_like_defaults_and_user_options_win():
@@ -65,11 +66,15 @@ def test_adam_means_adam_unless_asked():
     (pp.Strategy(data=2, batch_size=8), {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}, {},
      r"train_micro_batch_size_per_gpu=2 x gradient_accumulation_steps=1 x data=2 = 4, but the global batch size is 8"),
     (pp.Strategy(data=2), {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3}, {},
-     r"8 is not a multiple of train_micro_batch_size_per_gpu=3 x data=2"),
-    (pp.Strategy(data=2, batch_size=8), {"gradient_accumulation_steps": 3}, {},
-     r"8 does not divide into gradient_accumulation_steps=3 x data=2"),
-    (pp.Strategy(data=2, batch_size=8), {"gradient_accumulation_steps": 2}, {"accumulation": 4},
-     r"accumulation=4\) contradicts the config's gradient_accumulation_steps=2"),
+     r"train_micro_batch_size_per_gpu=3 x gradient_accumulation_steps=1 x data=2 = 6, but the global batch size is 8"),
+    (pp.Strategy(data=2, accumulate=2), {"train_batch_size": 10}, {},
+     r"the global batch size 10 does not divide over data=2 ranks x accumulate=2 micro-batches; use a multiple of 4"),
+    (pp.Strategy(data=2, batch_size=8), {"gradient_accumulation_steps": 2}, {},
+     r"gradient_accumulation_steps=2 contradicts the Strategy's accumulate=1 .*\(Strategy\(accumulate=N\)\)"),
+    (pp.Strategy(data=2, batch_size=8, accumulate=2), {"gradient_accumulation_steps": 4}, {},
+     r"gradient_accumulation_steps=4 contradicts the Strategy's accumulate=2"),
+    (pp.Strategy(data=2, batch_size=8), {"train_micro_batch_size_per_gpu": 2}, {"micro_batch_size": 4},
+     r"micro_batch_size=4\) contradicts the config's train_micro_batch_size_per_gpu=2"),
     (pp.Strategy(data=2), {}, {}, r"needs a batch size: set the global one on the Strategy"),
     (pp.Strategy(data=2, batch_size=8), {"train_micro_batch_size_per_gpu": 0}, {}, r"must be a positive int. Received: 0"),
 ])
@@ -100,3 +105,72 @@ def test_zero_2_3_with_a_pipeline_is_refused_with_deepspeeds_reason(stage):
 def test_config_must_be_a_mapping():
     with pytest.raises(TypeError, match=r"config=\) must be a dict of DeepSpeed options .* Received: str"):
         build_config(pp.Strategy(data=2, batch_size=8), "ds_config.json")  # type: ignore[arg-type]
+
+
+# -- precision: the bf16/fp16 sections written from Strategy(precision=) ----------------------------------
+def test_precision_writes_deepspeeds_sections():
+    assert "bf16" not in build_config(pp.Strategy(data=2, batch_size=8, precision="32"))
+    assert "communication_data_type" not in build_config(pp.Strategy(data=2, batch_size=8))
+    config = build_config(pp.Strategy(data=2, zero=2, batch_size=8, precision="bf16-mixed"))
+    assert config["bf16"] == {"enabled": True} and config["communication_data_type"] == "fp32"
+    assert "fp16" not in config
+    # A consistent user section is accepted, and an off one is off.
+    assert build_config(pp.Strategy(data=2, batch_size=8, precision="bf16-mixed"),
+                        {"bf16": {"enabled": True}, "communication_data_type": "fp32"})["bf16"] == {"enabled": True}
+    assert build_config(pp.Strategy(data=2, batch_size=8, precision="32"), {"bf16": {"enabled": False}})["bf16"] == \
+        {"enabled": False}
+
+
+def test_fp16_maps_to_the_dynamic_loss_scaler():
+    from polyparallel_deepspeed.precision import sections
+
+    assert sections(pp.PrecisionPolicy("fp16-mixed")) == {"fp16": {"enabled": True, "loss_scale": 0},
+                                                           "communication_data_type": "fp32"}
+    assert sections(pp.PrecisionPolicy(compute_dtype="float16", loss_scaling=False))["fp16"]["loss_scale"] == 1.0
+    assert sections(pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16"))["communication_data_type"] \
+        == "bf16"
+    assert sections(None) == {} and sections(pp.PrecisionPolicy("32")) == {}
+
+
+@pytest.mark.parametrize("strategy, config, message", [
+    (pp.Strategy(data=2, batch_size=8, precision="32"), {"bf16": {"enabled": True}},
+     r"bf16.enabled=True contradicts the Strategy's precision PrecisionPolicy\('32'\).*Strategy\(precision='bf16-mixed'\)"),
+    (pp.Strategy(data=2, batch_size=8), {"bf16": {"enabled": True}},
+     r"bf16.enabled=True contradicts the Strategy's no precision \(Strategy\(precision=None\): fp32\)"),
+    (pp.Strategy(data=2, batch_size=8, precision="bf16-mixed"), {"bf16": {"enabled": False}},
+     r"bf16.enabled=False contradicts the Strategy's precision PrecisionPolicy\('bf16-mixed'\).*Drop bf16"),
+    (pp.Strategy(data=2, batch_size=8, precision="bf16-mixed"), {"communication_data_type": "bf16"},
+     r"communication_data_type='bf16' contradicts the Strategy's precision PrecisionPolicy\('bf16-mixed'\) .*, whose "
+     r"reduce_dtype='float32' is 'fp32'"),
+    (pp.Strategy(data=2, batch_size=8), {"communication_data_type": "bf16"},
+     r"communication_data_type='bf16' contradicts the Strategy's no precision"),
+    (pp.Strategy(data=2, batch_size=8, precision="bf16-mixed"), {"bf16": {"enabled": True, "immediate_grad_update": True}},
+     r"bf16.immediate_grad_update is not tested by polyparallel"),
+])
+def test_precision_contradictions_name_both_sides(strategy, config, message):
+    with pytest.raises(pp.TopologyError, match=message):
+        build_config(strategy, config)
+
+
+@pytest.mark.parametrize("precision, reason", [
+    ("fp16-mixed", r"DeepSpeed's CPU accelerator runs float16 only where oneDNN has float16 kernels"),
+    ("bf16-true", r"keeps a float32 master copy of the parameters"),
+    (pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16"), r"other combinations of dtypes"),
+])
+def test_precisions_not_run_are_refused_before_launch_with_the_reason(precision, reason):
+    strategy = pp.Strategy(data=2, batch_size=8, precision=precision)
+    with pytest.raises(pp.UnsupportedTopologyError, match=reason):
+        build_config(strategy)
+    with pytest.raises(pp.UnsupportedTopologyError, match=reason):
+        pp.launch(_never_called, strategy, nprocs=2, runtime="deepspeed")
+
+
+def test_bf16_with_a_pipeline_is_refused():
+    with pytest.raises(pp.UnsupportedTopologyError, match=r"with data parallelism only: DeepSpeed's pipeline engine"):
+        build_config(pp.Strategy(data=2, pipeline=2, batch_size=8, precision="bf16-mixed"))
+
+
+def test_the_adapter_declares_precision_and_accumulation():
+    caps = pp.Strategy().plugin_manager.adapters()["deepspeed"].capabilities
+    assert caps.precisions == {"32", "bf16-mixed"} and caps.accumulation is True
+    assert {"bf16-true", "fp16-mixed", "custom"} == set(dict(caps.precision_reasons))

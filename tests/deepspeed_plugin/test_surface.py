@@ -194,7 +194,9 @@ def _variants(strategy, root):
         s = strategy.replace(zero=stage)
         model = _model()
         optimizer = None if "optimizer" in config else torch.optim.Adam(model.parameters(), **ADAM)
-        engine = s.adapt("deepspeed", model=model, optimizer=optimizer, config=config)
+        # Its accumulation is the Strategy's (a config value must agree with it); the batches are
+        # the accumulate=1 strategy's, cut into the micro-batches here.
+        engine = s.replace(accumulate=micro).adapt("deepspeed", model=model, optimizer=optimizer, config=config)
         batches = iter(s.shard_data(_data(64, 1), shuffle=True))
         for _ in range(STEPS):
             x, y = next(batches)
