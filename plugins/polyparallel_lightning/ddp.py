@@ -80,7 +80,7 @@ class DDPMixin(StrategyMixin):
             # (`sync_states` runs at validation/test/predict start instead); plus the tensor plan.
             # A near copy of Lightning's branch: re-check it against DDPStrategy.setup on upgrades.
             self.accelerator.setup(trainer)  # type: ignore[attr-defined]
-            self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
+            self.precision_plugin.convert_module(self.model)
             self.model_to_device()  # type: ignore[attr-defined]
             if self.topology.size("tensor") > 1:
                 self.model = self._wrap(self.model)

@@ -83,6 +83,7 @@ import polyparallel as pp
 from .checkpoint import CheckpointMixin
 from .environment import environment_class, launched_externally
 from .namespaces import NAMESPACES
+from .precision import check_stage, reconcile, reconcile_accumulation
 
 __all__ = ["StrategyMixin"]
 
@@ -120,12 +121,35 @@ class StrategyMixin(CheckpointMixin):
         self._plan = plan
         self._runtime_cache: Any = None
         self._quieted: Any = None  # the Trainer's data connector whose sampler warning is silenced
+        check_stage(polyparallel_strategy.precision, polyparallel_strategy.shard_policy.stage)
         self._init_lightning(environment_class(namespace)(), timedelta(seconds=polyparallel_strategy.timeout),
                              kwargs)
 
     def _init_lightning(self, environment: Any, timeout: timedelta, kwargs: dict[str, Any]) -> None:
         """Call the Lightning base class's ``__init__`` (each stage's mixin knows its arguments)."""
         raise NotImplementedError
+
+    # -- precision and accumulation (polyparallel_lightning.precision) ---------------------------------
+    @property
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin: the one ``Strategy(precision=)`` maps to."""
+        return super().precision_plugin  # type: ignore[misc]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # The Trainer's connector assigns the plugin of Trainer(precision=)/plugins= while the
+        # Trainer is built: reconciled with the Strategy here, a contradiction refused here.
+        accelerator = getattr(self, "_accelerator", None)
+        device = type(accelerator).__name__.removesuffix("Accelerator").lower() if accelerator is not None else "cpu"
+        self._precision_plugin = reconcile(self._pp.precision, plugin, self._ns.pytorch, device)
+
+    def _reconcile_trainer(self) -> None:
+        """``Trainer(accumulate_grad_batches=)`` reconciled with ``Strategy(accumulate=)`` (at the
+        start of every run, from ``setup_distributed``, before any step)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            reconcile_accumulation(self._pp, trainer)
 
     # -- what this process is -----------------------------------------------------------------------
     @property
@@ -239,6 +263,7 @@ class StrategyMixin(CheckpointMixin):
     def setup_distributed(self) -> None:
         """Ranks from the cluster environment, then the runtime's groups (not Lightning's
         ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
+        self._reconcile_trainer()
         importlib.import_module(f"{self._ns.fabric}.utilities.seed").reset_seed()
         self.set_world_ranks()
         rt = self.runtime  # made inside the launcher's variables (see _launcher_environment)

@@ -1,0 +1,140 @@
+"""Strategy(precision=) and Strategy(accumulate=) through Lightning's own mechanisms.
+
+- bf16-mixed at data=2 (gloo processes) equals plain Lightning in one process with the same
+  global batches (Trainer(precision="bf16-mixed"), no polyparallel), within the bf16 tolerance
+  stated below, and differs from float32 by more than that (bfloat16 really computed);
+- a Trainer(precision=), a precision plugin or accumulate_grad_batches that contradicts the
+  Strategy is refused before fit, naming both; both Lightning namespaces.
+"""
+
+import pytest
+
+import polyparallel as pp
+
+NS = "lightning.pytorch"
+N, PER_RANK, EPOCHS = 40, 4, 2  # 40 samples: 5 global batches of 8 per epoch at data=1 and data=2
+#: bf16 tolerance on the parameters after 10 SGD steps (lr 0.1): one process and two ranks round
+#: different bfloat16 products (8-bit mantissa). Measured: 1.3e-4 between them, 1.0e-3 between
+#: bf16-mixed and float32; the tolerance sits in between.
+BF16_ATOL = 5e-4
+
+
+def _module(namespace=NS):
+    from torch import nn
+
+    from polyparallel_lightning.testing import reference_module_class
+
+    class NoBatchNorm(reference_module_class(namespace)):
+        """The reference MLP without BatchNorm (whose statistics are per rank): one process and
+        data=2 then compute the same function of the same global batch."""
+
+        def __init__(self):
+            super().__init__(0)
+            self.net[3] = nn.Identity()
+            self.dtypes = set()
+
+        def training_step(self, batch, batch_idx):
+            self.dtypes.add(str(self.net(batch[0]).dtype))
+            return super().training_step(batch, batch_idx)
+
+    return NoBatchNorm()
+
+
+def _loader(batch, sampler=None):
+    from torch.utils.data import DataLoader
+
+    from polyparallel_torch.testing import reference_dataset
+
+    return DataLoader(reference_dataset(N), batch_size=batch, shuffle=sampler is None, sampler=sampler)
+
+
+def _bf16_worker(strategy):
+    from polyparallel_lightning.testing import make_trainer
+    from polyparallel_torch.testing import flat_params
+
+    module = _module()
+    trainer = make_trainer(strategy, NS, max_epochs=EPOCHS, limit_val_batches=0)
+    plugin = trainer.strategy.precision_plugin
+    trainer.fit(module, _loader(PER_RANK))
+    return {"plugin": (type(plugin).__name__, plugin.precision), "dtypes": sorted(module.dtypes),
+            "params": flat_params(module.net), "steps": len(module.losses)}
+
+
+def _plain_lightning(precision):
+    """Lightning alone, one process, the global batches of TopologySampler (shard_data's order)."""
+    import lightning.pytorch as L
+
+    from polyparallel_torch import TopologySampler
+    from polyparallel_torch.testing import flat_params
+
+    module = _module()
+    trainer = L.Trainer(accelerator="cpu", devices=1, precision=precision, max_epochs=EPOCHS, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    trainer.fit(module, _loader(2 * PER_RANK, TopologySampler(N, 0, 1, seed=0, shuffle=True)))
+    return flat_params(module.net), sorted(module.dtypes)
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bf16_mixed_at_data_2_equals_plain_lightning_in_one_process():
+    strategy = pp.Strategy(data=2, precision="bf16-mixed", timeout=60, seed=0)
+    results = pp.launch(_bf16_worker, strategy, 2, args=(strategy,), runtime="lightning", timeout=200)
+    reference, reference_dtypes = _plain_lightning("bf16-mixed")
+    fp32, _ = _plain_lightning("32-true")
+    for r in results:
+        assert r["plugin"] == ("MixedPrecision", "bf16-mixed")
+        assert r["dtypes"] == reference_dtypes == ["torch.bfloat16"]
+        assert r["steps"] == 5 * EPOCHS
+        assert _max_diff(r["params"], reference) < BF16_ATOL
+    assert _max_diff(results[0]["params"], results[1]["params"]) == 0, "replicas diverged"
+    # bfloat16 was computed: float32 is further from it than the two bf16 runs are from each other.
+    assert _max_diff(reference, fp32) > 4 * _max_diff(results[0]["params"], reference)
+
+
+@pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
+def test_a_contradicting_trainer_precision_is_refused_naming_both(namespace):
+    import importlib
+
+    from polyparallel_lightning.testing import make_trainer
+
+    strategy = pp.Strategy(data=1, precision="bf16-mixed")
+    trainer = make_trainer(strategy, namespace)  # no precision given: the Strategy's plugin
+    assert (type(trainer.strategy.precision_plugin).__name__, trainer.strategy.precision_plugin.precision) == \
+        ("MixedPrecision", "bf16-mixed")
+    make_trainer(strategy, namespace, precision="bf16-mixed")  # the same precision: accepted
+    with pytest.raises(pp.TopologyError, match=r"Trainer\(precision='bf16-true'\) contradicts "
+                                               r"Strategy\(precision='bf16-mixed'\)"):
+        make_trainer(strategy, namespace, precision="bf16-true")
+    double = importlib.import_module(f"{namespace}.plugins").DoublePrecision()
+    with pytest.raises(pp.TopologyError, match=r"precision='64-true'\) contradicts Strategy\(precision='bf16-mixed'\)"):
+        make_trainer(strategy, namespace, plugins=[double])
+    with pytest.raises(pp.TopologyError, match=r"Trainer\(precision='bf16-mixed'\) contradicts "
+                                               r"Strategy\(precision='32'\)"):
+        make_trainer(pp.Strategy(data=1, precision="32"), namespace, precision="bf16-mixed")
+    # No Strategy precision: Lightning's own choice stands.
+    plain = make_trainer(pp.Strategy(data=1), namespace, precision="bf16-true")
+    assert plain.strategy.precision_plugin.precision == "bf16-true"
+
+
+def test_precisions_lightning_has_no_plugin_for_are_refused_before_launch():
+    custom = pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16")
+    with pytest.raises(pp.UnsupportedTopologyError, match="has no plugin"):
+        pp.Strategy(data=2, precision=custom).check("lightning", world_size=2)
+    with pytest.raises(pp.UnsupportedTopologyError, match="ModelParallelStrategy refuses '16-mixed'"):
+        pp.Strategy(data=2, zero=2, precision="fp16-mixed").adapt("lightning", namespace=NS)
+
+
+def test_a_contradicting_accumulate_grad_batches_is_refused_before_any_step():
+    from polyparallel_lightning.testing import make_trainer
+
+    module = _module()
+    trainer = make_trainer(pp.Strategy(data=1), NS, max_epochs=1, accumulate_grad_batches=3)
+    with pytest.raises(pp.TopologyError, match=r"Trainer\(accumulate_grad_batches=3\) contradicts "
+                                               r"Strategy\(accumulate=1\)"):
+        trainer.fit(module, _loader(PER_RANK))
+    assert module.losses == [], "refused before the first step"
