@@ -1,0 +1,113 @@
+"""Strategy(precision=) and Strategy(accumulate=) in the Ignite adapter's supervised step.
+
+- bf16-mixed at data=2 (gloo processes) equals ignite in one process (its own
+  ``supervised_training_step`` with the forward and loss under CPU bfloat16 autocast) on the same
+  global batches, within the bf16 tolerance below, and differs from float32 by more than that;
+- ignite options that contradict the Strategy (amp_mode=, scaler=, gradient_accumulation_steps=)
+  are refused when the trainer is built, naming both.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import polyparallel as pp
+
+N, GLOBAL, EPOCHS = 40, 8, 2  # 5 global batches of 8 per epoch
+#: Measured: 1e-4-scale between one process and data=2 in bf16, ~1e-3 between bf16 and float32.
+BF16_ATOL = 5e-4
+
+
+def _model():
+    from polyparallel_torch.testing import reference_model
+
+    model = reference_model(0)
+    model[3] = nn.Identity()  # no BatchNorm (its statistics are per rank): the same function at data=1 and 2
+    return model
+
+
+def _worker(strategy):
+    from polyparallel_torch.testing import LR, flat_params, reference_dataset
+
+    ignite = strategy.adapt("ignite")
+    model = ignite.auto_model(_model())
+    opt = ignite.auto_optim(torch.optim.SGD(model.parameters(), lr=LR), model)
+    loader = ignite.auto_dataloader(reference_dataset(N), batch_size=GLOBAL, shuffle=True)
+    dtypes = set()
+
+    def model_fn(m, x):
+        out = m(x)
+        dtypes.add(str(out.dtype))
+        return out
+
+    trainer = ignite.create_supervised_trainer(model, opt, nn.functional.cross_entropy, data=loader,
+                                               model_fn=model_fn)
+    trainer.run(loader, max_epochs=EPOCHS)
+    return {"params": flat_params(model), "dtypes": sorted(dtypes), "iterations": trainer.state.iteration}
+
+
+def _one_process(precision):
+    """Ignite alone, one process: its own step, the global batches of shard_data's order."""
+    from ignite.engine import Engine, Events, supervised_training_step
+    from torch.utils.data import DataLoader
+
+    from polyparallel_torch import TopologySampler
+    from polyparallel_torch.testing import LR, flat_params, reference_dataset
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sampler = TopologySampler(N, 0, 1, seed=0, shuffle=True)
+    loader = DataLoader(reference_dataset(N), batch_size=GLOBAL, sampler=sampler)
+    enabled = precision == "bf16"
+
+    def model_fn(m, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            return m(x)
+
+    def loss_fn(y_pred, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            return nn.functional.cross_entropy(y_pred, y)
+
+    engine = Engine(supervised_training_step(model, opt, loss_fn, model_fn=model_fn))
+    engine.add_event_handler(Events.EPOCH_STARTED, lambda e: sampler.set_epoch(e.state.epoch - 1))
+    engine.run(loader, max_epochs=EPOCHS)
+    return flat_params(model)
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bf16_mixed_at_data_2_equals_ignite_in_one_process():
+    strategy = pp.Strategy(data=2, precision="bf16-mixed", timeout=60, seed=0)
+    results = pp.launch(_worker, strategy, 2, args=(strategy,), runtime="ignite", timeout=200)
+    reference, fp32 = _one_process("bf16"), _one_process("fp32")
+    for r in results:
+        assert r["dtypes"] == ["torch.bfloat16"]
+        assert r["iterations"] == 5 * EPOCHS
+        assert _max_diff(r["params"], reference) < BF16_ATOL
+    assert _max_diff(reference, fp32) > 2 * BF16_ATOL, "bfloat16 was computed"
+
+
+@pytest.mark.parametrize(("strategy", "options", "message"), [
+    (pp.Strategy(precision="bf16-mixed"), {"amp_mode": "amp"},
+     r"amp_mode='amp'\) contradicts Strategy\(precision='bf16-mixed'\)"),
+    (pp.Strategy(precision="bf16-mixed"), {"scaler": True},
+     r"scaler=True\) contradicts Strategy\(precision='bf16-mixed'\), whose loss scaling is False"),
+    (pp.Strategy(precision="32"), {"gradient_accumulation_steps": 2},
+     r"gradient_accumulation_steps=2\) contradicts Strategy\(accumulate=1\)"),
+])
+def test_contradicting_ignite_options_are_refused_naming_both(strategy, options, message):
+    from polyparallel_ignite.precision import check_kwargs
+
+    with pytest.raises(pp.TopologyError, match=message):
+        check_kwargs(strategy, options)
+
+
+def test_dtype_combinations_without_a_preset_are_refused_before_launch():
+    custom = pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16")
+    with pytest.raises(pp.UnsupportedTopologyError, match="'ignite'.*cannot run precision"):
+        pp.Strategy(data=2, precision=custom).check("ignite", world_size=2)
+    pp.Strategy(data=2, precision="fp16-mixed").check("ignite", world_size=2)
