@@ -73,6 +73,7 @@ import polyparallel as pp
 from . import everyday as _everyday
 from . import files as _files
 from . import metrics as _metrics
+from . import precision as _precision
 from . import surface as _surface
 from .data import is_fastai_loader, local_to_detach
 from .placement import Placement
@@ -254,6 +255,7 @@ class ParallelCallback(Callback):
         state.inner = learn.model
         state.placement = Placement(learn.model)
         learn.model = self.strategy.wrap_model(learn.model)
+        _precision.apply(learn, self.strategy)  # Strategy(precision=) as fastai's MixedPrecision
         # A runtime that moves the model to its device (XLA) may give it new Parameter objects:
         # the optimizer fastai made before this event must step those.
         state.placement.moved(getattr(learn, "opt", None))

@@ -1,0 +1,138 @@
+"""Strategy(precision=) as fastai's MixedPrecision, on the model's device.
+
+- bf16-mixed at data=2 (gloo processes) equals a plain fastai Learner in one process with
+  ``learn.to_bf16()`` autocasting on the CPU (fastai's own autocasts on CUDA only) on the same
+  global batches, within the bf16 tolerance below; float32 is further away (bfloat16 computed);
+  the Learner is left as it was (the callback added for the fit is gone);
+- a MixedPrecision of another mode than the Strategy's is refused before any collective,
+  naming both; bf16-true and dtype combinations are refused before launch.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import polyparallel as pp
+from polyparallel.testing import reference_data
+from polyparallel_fastai.testing import make_learner, single_process_order
+
+N_TRAIN, N_VALID, GLOBAL, EPOCHS, SEED = 40, 8, 8, 2, 5
+#: Measured: 1e-4-scale between one process and data=2 in bf16, ~1e-3 between bf16 and float32.
+BF16_ATOL = 5e-4
+
+
+def _data():
+    xs, ys = reference_data(N_TRAIN + N_VALID, 8, 3, seed=2)
+    x, y = torch.tensor(xs), torch.tensor(ys)
+    return TensorDataset(x[:N_TRAIN], y[:N_TRAIN]), TensorDataset(x[N_TRAIN:], y[N_TRAIN:])
+
+
+class _Recording(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+        self.dtypes = set()
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.dtypes.add(str(out.dtype))
+        return out
+
+
+def _params(model):
+    return {n: p.detach().reshape(-1).double().tolist() for n, p in model.named_parameters()}
+
+
+def _worker(strategy):
+    train, valid = _data()
+    model = _Recording()
+    learn = make_learner(train, valid, model, GLOBAL, cbs=[strategy.adapt("fastai")])
+    learn.fit(EPOCHS)
+    return {"params": _params(model), "dtypes": sorted(model.dtypes),
+            "callbacks": sorted(type(cb).__name__ for cb in learn.cbs)}
+
+
+def _one_process(bf16):
+    from fastai.callback.fp16 import MixedPrecision
+
+    from polyparallel_fastai.precision import device_before_fit
+
+    class CpuMixedPrecision(MixedPrecision):  # fastai's, autocasting where the model is
+        before_fit = device_before_fit
+
+    train, valid = _data()
+    model = _Recording()
+    learn = make_learner(train, valid, model, GLOBAL, cbs=[CpuMixedPrecision(amp_mode="bf16")] if bf16 else [])
+    single_process_order(learn, N_TRAIN, SEED)
+    learn.fit(EPOCHS)
+    return _params(model), sorted(model.dtypes)
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_bf16_mixed_at_data_2_equals_fastai_in_one_process():
+    strategy = pp.Strategy(data=2, precision="bf16-mixed", batch_size=GLOBAL, timeout=60, seed=SEED)
+    results = pp.launch(_worker, strategy, 2, args=(strategy,), runtime="fastai", timeout=200)
+    (reference, dtypes), (fp32, _) = _one_process(True), _one_process(False)
+    assert dtypes == ["torch.bfloat16"]
+    for r in results:
+        assert r["dtypes"] == ["torch.bfloat16"]
+        assert "StrategyMixedPrecision" not in r["callbacks"], "the callback added for the fit is removed after it"
+        assert _max_diff(r["params"], reference) < BF16_ATOL
+    spread = _max_diff(results[0]["params"], reference)
+    assert _max_diff(reference, fp32) > 3 * spread, ("bfloat16 was computed", _max_diff(reference, fp32), spread)
+
+
+def _refusal_worker(strategy):
+    train, valid = _data()
+    out = {}
+    for name, to in (("to_fp16", "to_fp16"), ("to_bf16", "to_bf16")):
+        learn = getattr(make_learner(train, valid, _Recording(), GLOBAL, cbs=[strategy.adapt("fastai")]), to)()
+        try:
+            learn.fit(1)
+            out[name] = None
+        except pp.TopologyError as exc:
+            out[name] = str(exc)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_mixed_precision_of_another_mode_is_refused_at_data_2():
+    strategy = pp.Strategy(data=2, precision="bf16-mixed", batch_size=GLOBAL, timeout=60, seed=SEED)
+    for r in pp.launch(_refusal_worker, strategy, 2, args=(strategy,), runtime="fastai", timeout=200):
+        assert r["to_bf16"] is None
+        assert "learn.to_fp16() / MixedPrecision(amp_mode='fp16') contradicts Strategy(precision='bf16-mixed')" \
+            in r["to_fp16"]
+
+
+def test_a_mixed_precision_of_another_mode_is_refused_naming_both():
+    from fastai.callback.fp16 import MixedPrecision
+
+    from polyparallel_fastai.precision import apply
+
+    train, valid = _data()
+    learn = make_learner(train, valid, _Recording(), GLOBAL).to_fp16()
+    with pytest.raises(pp.TopologyError, match=r"to_fp16\(\) / MixedPrecision\(amp_mode='fp16'\) contradicts "
+                                               r"Strategy\(precision='bf16-mixed'\)"):
+        apply(learn, pp.Strategy(precision="bf16-mixed"))
+    with pytest.raises(pp.TopologyError, match=r"contradicts Strategy\(precision='32'\), which is float32"):
+        apply(learn, pp.Strategy(precision="32"))
+    learn.remove_cb(MixedPrecision).to_bf16()
+    apply(learn, pp.Strategy(precision="bf16-mixed"))  # the same mode: the Learner's own is used
+
+
+def test_precisions_fastai_has_no_mechanism_for_are_refused_before_launch():
+    with pytest.raises(pp.UnsupportedTopologyError, match="fastai has no bfloat16 'true' precision"):
+        pp.Strategy(data=2, precision="bf16-true").check("fastai", world_size=2)
+    custom = pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16")
+    with pytest.raises(pp.UnsupportedTopologyError, match="'fastai'.*cannot run precision"):
+        pp.Strategy(data=2, precision=custom).check("fastai", world_size=2)
