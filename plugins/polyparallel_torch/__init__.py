@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["no_sync", "get_runtime", "full_state", "TopologySampler", "ShardedLoader", "default_plan", "make_optimizer",
+__all__ = ["no_sync", "steps", "Step", "get_runtime", "full_state", "TopologySampler", "ShardedLoader", "default_plan", "make_optimizer",
            "save_checkpoint", "load_checkpoint"]
 
 
@@ -18,6 +18,9 @@ def __getattr__(name: str) -> Any:
     if name == "no_sync":
         from .grads import no_sync
         return no_sync
+    if name in ("steps", "Step"):
+        from . import accumulation
+        return getattr(accumulation, name)
     if name == "get_runtime":
         from .runtime import get_runtime
         return get_runtime

@@ -22,6 +22,9 @@ CAPABILITIES = pp.Capabilities(
     # 1: ZeroRedundancyOptimizer (polyparallel_torch.make_optimizer); 2, 3: FSDP2 (sharding.py).
     # Adapters that shard on this runtime's groups themselves (DeepSpeed ZeRO) need the stage here too.
     stages={0, 1, 2, 3},
+    # Strategy(accumulate=N): shard_data gives micro-batches, polyparallel_torch.steps reduces once
+    # per step (DDP require_backward_grad_sync, FSDP2 set_requires_gradient_sync); accumulation.py.
+    accumulation=True,
     stages_with={
         "tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole "
                               "parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with FSDP2 over "

@@ -228,15 +228,15 @@ class _Counting:
         return len(self._inner)  # type: ignore[arg-type]
 
 
-def _per_rank_batch(global_batch: int | None, fallback: int | None, data_size: int) -> int | None:
-    if global_batch is None:
-        return fallback
-    if global_batch % data_size:
+def _per_rank_batch(global_batch: int | None, fallback: int | None, data_size: int, accumulate: int = 1) -> int | None:
+    if global_batch is not None and accumulate == 1 and global_batch % data_size:
         raise pp.TopologyError(
             f"global batch size {global_batch} does not divide over data={data_size} ranks; "
             f"use a multiple of {data_size} (e.g. {data_size * max(1, global_batch // data_size)})."
         )
-    return global_batch // data_size
+    from .accumulation import per_rank_batch
+
+    return per_rank_batch(global_batch, fallback, data_size, accumulate)
 
 
 def _loader_shuffles(loader: DataLoader, length: int) -> bool:
@@ -299,7 +299,10 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
 
     A loader keeps its options (workers, collate_fn, drop_last, pin_memory, generator, ...) and,
     unless the policy sets ``shuffle``, its shuffle choice; its ``batch_size`` is per rank unless
-    the policy has a global one. A sampler whose meaning cannot be kept is refused.
+    the policy has a global one. A sampler whose meaning cannot be kept is refused. Under
+    ``Strategy(accumulate=N)`` it yields micro-batches: ``batch_size / (data x N)`` samples (a
+    loader's own ``batch_size``, per rank and optimizer step, divided by ``N``); see
+    :mod:`.accumulation`.
 
     :param pass_check: makes the sampler's per-pass agreement check (default: over the torch
         runtime's groups); another runtime that shards through this function passes its own
@@ -318,13 +321,13 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
                 "batch_size (or a loader with batch_size= and shuffle=), or shard the batches yourself with "
                 "polyparallel.shard_indices."
             )
-        batch = _per_rank_batch(policy.batch_size, data.batch_size, data_size)
+        batch = _per_rank_batch(policy.batch_size, data.batch_size, data_size, strategy.accumulate)
     elif isinstance(data, Dataset):
         dataset = data
         if policy.batch_size is None:
             raise pp.TopologyError("shard_data(Dataset) needs the global batch size: Strategy(batch_size=...) "
                                    "or shard_data(dataset, batch_size=...).")
-        batch = _per_rank_batch(policy.batch_size, None, data_size)
+        batch = _per_rank_batch(policy.batch_size, None, data_size, strategy.accumulate)
     else:
         return None  # type: ignore[return-value]
     try:

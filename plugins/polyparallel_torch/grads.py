@@ -64,7 +64,6 @@ import hashlib
 import operator
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from itertools import repeat
 from typing import Any
 
@@ -425,12 +424,10 @@ def sync_gradients(target: Any, rt: TorchRuntime, strategy: pp.Strategy) -> Any:
     return target
 
 
-@contextlib.contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Accumulate gradients without synchronising (DDP's ``no_sync``; a no-op for bare modules,
-    whose gradients are only synced when ``strategy.sync_grads`` is called)."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-    else:
-        yield
+def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Accumulate gradients without synchronising (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync(False)``; a no-op for bare modules, whose gradients are only
+    synced when ``strategy.sync_grads`` is called)."""
+    from .accumulation import no_sync as no_sync_
+
+    return no_sync_(model)

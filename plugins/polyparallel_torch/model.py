@@ -85,7 +85,8 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
                 )
 
 
-def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], stage: int = 0) -> dict[str, Any]:
+def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], stage: int = 0,
+             accumulate: int = 1) -> dict[str, Any]:
     """Check the options and the plan against the model *before* any process group exists;
     return the options with the tensor plan resolved (the default plan when none is given)."""
     from .sharding import is_fsdp, validate_sharding
@@ -105,6 +106,13 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
     validate_sharding(model, topology, stage, options)
     if topology.size("pipeline") > 1:
         from .pipeline import validate_pipeline
+
+        if accumulate > 1:
+            raise pp.UnsupportedTopologyError(
+                f"the torch runtime does not accumulate gradients over pipeline stages (Strategy(accumulate="
+                f"{accumulate}) with pipeline={topology.size('pipeline')}): its schedule already splits each batch "
+                "into micro-batches and reduces once per step. Use wrap_model(microbatches=) for the pipeline's "
+                "micro-batches and accumulate=1.")
 
         validate_pipeline(model, topology, options)
         return dict(options)

@@ -70,7 +70,7 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
     if not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
     # before any collective
-    options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage)
+    options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage, strategy.accumulate)
     return _lazy.model.wrap_module(model, _runtime(session), options, strategy)
 
 

@@ -28,6 +28,8 @@ __all__ = ["check_backend", "default_device", "find_default_group", "make_defaul
 
 # The default process group, when polyparallel created it, and how many open runtimes use it.
 _WORLD: dict[str, Any] = {"group": None, "users": 0, "broken": False}
+# The rendezvous store of this process (see _rendezvous_store): its key, the store, groups made.
+_STORE: dict[str, Any] = {}
 
 
 def default_device() -> torch.device:
@@ -79,9 +81,36 @@ def find_default_group(rank: int, world_size: int) -> bool:
     return False
 
 
+def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The store a new default group rendezvouses through: one TCP store per process and
+    ``MASTER_ADDR:MASTER_PORT`` for the process's lifetime, and a fresh key prefix per group made.
+
+    Letting ``init_process_group`` make a store each time races when a process makes a second
+    default group after destroying its first one (a later runtime in the same processes): rank 0's
+    old store server may still be serving when rank 1 connects, so rank 1 joins the old store and
+    rank 0's new one waits for it until its timeout ("1/2 clients joined"). A store that stays
+    up, with one prefix per generation (every rank makes the same sequence of groups, so the
+    counts agree), has nothing to race. ``None`` under torchrun's agent store
+    (``TORCHELASTIC_USE_AGENT_STORE``): that store outlives the workers already, and torch's own
+    env rendezvous keeps its per-restart prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    key = (address, port, world_size, rank)
+    if _STORE.get("key") != key:
+        _STORE.update(key=key, generation=0,
+                      store=dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout))
+    store = _STORE["store"]
+    store.set_timeout(timeout)
+    _STORE["generation"] += 1
+    return dist.PrefixStore(f"polyparallel/default-group/{_STORE['generation']}", store)
+
+
 def make_default_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """``init_process_group`` (the default group is then polyparallel's to destroy)."""
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    """``init_process_group`` through :func:`_rendezvous_store` (the default group is then
+    polyparallel's to destroy)."""
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            store=_rendezvous_store(rank, world_size, timeout))
     _WORLD["group"] = dist.group.WORLD
 
 

@@ -10,7 +10,6 @@ pytest.importorskip("torch_xla")
 from click.testing import CliRunner  # noqa: E402
 
 import polyparallel as pp  # noqa: E402
-import polyparallel_xla.plugin as xla_plugin  # noqa: E402
 from polyparallel.cli import cli  # noqa: E402
 
 
@@ -28,11 +27,15 @@ def test_torch_stays_the_automatic_choice_and_xla_is_asked_for_by_name():
 
 
 def test_other_runtimes_sessions_never_reach_the_xla_hooks():
-    class Fake:
-        runtime = "torch"
-
-    assert xla_plugin.polyparallel_reduce_metrics(None, Fake(), {"x": 1.0}) is None
-    assert xla_plugin.polyparallel_process_info(pp.Strategy(), "torch") is None
+    # The hooks carry no session.runtime guard: the core leaves the XLA plugin out of every other
+    # runtime's calls, and the torch plugin out of XLA's.
+    manager = pp.get_plugin_manager()
+    assert manager.served_runtimes()["xla"] == {"xla"}
+    for hook in ("polyparallel_reduce_metrics", "polyparallel_sync_grads", "polyparallel_shard_data",
+                 "polyparallel_process_info", "polyparallel_launch"):
+        on_torch = {impl.plugin_name for impl in manager._routed_caller(hook, "torch").get_hookimpls()}
+        on_xla = {impl.plugin_name for impl in manager._routed_caller(hook, "xla").get_hookimpls()}
+        assert "xla" not in on_torch and "xla" in on_xla and "torch" not in on_xla, hook
 
 
 def test_cli_plugins_and_plan_show_the_xla_runtime():
