@@ -38,6 +38,8 @@ CAPABILITIES = pp.Capabilities(
     stages=TORCH_CAPABILITIES.stages, stages_with=TORCH_CAPABILITIES.stages_with,
     # Strategy(precision=) as Lightning's precision plugin (polyparallel_lightning.precision).
     precisions=LIGHTNING_PRECISIONS, precision_reasons=LIGHTNING_REFUSED,
+    # Strategy(accumulate=N) as Trainer(accumulate_grad_batches=N) over the runtime's micro-batches.
+    accumulation=True,
 )
 
 

@@ -346,6 +346,18 @@ class StrategyMixin(CheckpointMixin):
                 module.process_group = group
 
     # -- gradients --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """What Lightning enters for the micro-batches of an accumulation before the step's last:
+        no gradient reduction in their backward (DDP's ``no_sync``, and FSDP2's
+        ``set_requires_gradient_sync(False)``, which Lightning's own strategy leaves out), so
+        each optimizer step reduces once."""
+        from polyparallel_torch import no_sync
+
+        model = self.model  # type: ignore[attr-defined]
+        with no_sync(model) if isinstance(model, nn.Module) else contextlib.nullcontext():
+            yield
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the closure (forward, backward), ``strategy.sync_grads(model)``, then Lightning's step
         (gradient clipping and ``on_before_optimizer_step`` see the synchronised gradients)."""

@@ -138,3 +138,40 @@ def test_a_contradicting_accumulate_grad_batches_is_refused_before_any_step():
                                                r"Strategy\(accumulate=1\)"):
         trainer.fit(module, _loader(PER_RANK))
     assert module.losses == [], "refused before the first step"
+
+
+def _accumulation_worker(strategy):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from polyparallel_lightning.testing import make_trainer
+    from polyparallel_torch.testing import flat_params
+
+    reductions = []
+
+    def counting_hook(state, bucket):
+        reductions.append(1)
+        return allreduce_hook(state, bucket)
+
+    class Counting(type(_module())):
+        def on_train_start(self):
+            self.trainer.strategy.model.register_comm_hook(dist.group.WORLD, counting_hook)
+
+    module = Counting()
+    trainer = make_trainer(strategy, NS, max_epochs=EPOCHS, limit_val_batches=0)
+    trainer.fit(module, _loader(PER_RANK))  # PER_RANK a rank and optimizer step: micro-batches of 2
+    return {"params": flat_params(module.net), "micro_batches": len(module.losses), "steps": trainer.global_step,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches, "reductions": len(reductions)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_data_2_accumulate_2_equals_one_process_with_the_global_batch():
+    strategy = pp.Strategy(data=2, accumulate=2, timeout=60, seed=0)
+    results = pp.launch(_accumulation_worker, strategy, 2, args=(strategy,), runtime="lightning", timeout=200)
+    reference, _ = _plain_lightning("32-true")  # batches of 8 = 2 (micro) x 2 (accumulate) x 2 (data)
+    for r in results:
+        assert r["accumulate_grad_batches"] == 2, "set from Strategy(accumulate=)"
+        assert (r["micro_batches"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
+        assert r["reductions"] == r["steps"], "one gradient all-reduce per optimizer step (no_sync between)"
+        assert _max_diff(r["params"], reference) < 1e-5
