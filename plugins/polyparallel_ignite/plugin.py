@@ -26,6 +26,8 @@ CAPABILITIES = pp.Capabilities(
     precisions={"32", "bf16-mixed", "bf16-true", "fp16-mixed"},
     precision_reasons={"custom": "the Ignite adapter maps the presets; another combination (a reduce dtype other "
                                  "than the parameters', say) needs the torch runtime's gradient communication"},
+    # Strategy(accumulate=N): gradient_accumulation_steps=N over auto_dataloader's micro-batches.
+    accumulation=True,
 )
 
 

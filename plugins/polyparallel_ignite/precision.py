@@ -21,8 +21,9 @@ Strategy                 the step
                          float16 autocast and a GradScaler in torch >= 2.3), in
                          ``engine.state.scaler``
 ``accumulate=N``         ignite's ``gradient_accumulation_steps=N`` (loss divided by N, one
-                         optimizer step per N iterations); under DDP the first N-1 backward
-                         passes run in ``no_sync()``: one gradient all-reduce per step
+                         optimizer step per N iterations) over ``auto_dataloader``'s
+                         micro-batches; the first N-1 backward passes run in the runtime's
+                         ``no_sync`` (DDP, FSDP2): one gradient reduction per step
 =======================  ===================================================================
 
 The evaluator (``create_supervised_evaluator``) autocasts its forward in the compute dtype as well.
@@ -114,7 +115,7 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: C
         scaler = torch.amp.GradScaler(device.type)
     elif policy is None or not policy.loss_scaling:
         scaler = None
-    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    from polyparallel_torch import no_sync
 
     def update(engine: Any, batch: Any) -> Any:
         iteration = engine.state.iteration
@@ -123,8 +124,8 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: C
         model.train()
         x, y = prepare_batch(batch, device=device, non_blocking=non_blocking)
         boundary = iteration % steps == 0
-        # One all-reduce per optimizer step: DDP skips it in the backward passes between steps.
-        with model.no_sync() if ddp and not boundary else contextlib.nullcontext():  # type: ignore[operator]
+        # One reduction per optimizer step: DDP and FSDP2 skip it in the backward passes between.
+        with no_sync(model) if not boundary else contextlib.nullcontext():
             with autocast(policy, device):
                 output = model_fn(model, x)
                 y_pred = model_transform(output)

@@ -3,6 +3,8 @@
 - bf16-mixed at data=2 (gloo processes) equals ignite in one process (its own
   ``supervised_training_step`` with the forward and loss under CPU bfloat16 autocast) on the same
   global batches, within the bf16 tolerance below, and differs from float32 by more than that;
+- data=2 x accumulate=2 equals ignite in one process with the same global batch (1e-5), with one
+  gradient all-reduce per optimizer step;
 - ignite options that contradict the Strategy (amp_mode=, scaler=, gradient_accumulation_steps=)
   are refused when the trainer is built, naming both.
 """
@@ -111,3 +113,41 @@ def test_dtype_combinations_without_a_preset_are_refused_before_launch():
     with pytest.raises(pp.UnsupportedTopologyError, match="'ignite'.*cannot run precision"):
         pp.Strategy(data=2, precision=custom).check("ignite", world_size=2)
     pp.Strategy(data=2, precision="fp16-mixed").check("ignite", world_size=2)
+
+
+def _accumulation_worker(strategy):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from polyparallel_torch.testing import LR, flat_params, reference_dataset
+
+    ignite = strategy.adapt("ignite")
+    model = ignite.auto_model(_model())
+    reductions = []
+
+    def counting_hook(state, bucket):
+        reductions.append(1)
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(dist.group.WORLD, counting_hook)
+    opt = ignite.auto_optim(torch.optim.SGD(model.parameters(), lr=LR), model)
+    loader = ignite.auto_dataloader(reference_dataset(N), batch_size=GLOBAL, shuffle=True)  # micro-batches of 2
+    steps = []
+    opt.register_step_post_hook(lambda *args: steps.append(1))
+    trainer = ignite.create_supervised_trainer(model, opt, nn.functional.cross_entropy, data=loader)
+    trainer.run(loader, max_epochs=EPOCHS)
+    return {"params": flat_params(model), "iterations": trainer.state.iteration, "steps": len(steps),
+            "reductions": len(reductions), "micro": loader.batch_size}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_data_2_accumulate_2_equals_one_process_with_the_global_batch():
+    strategy = pp.Strategy(data=2, accumulate=2, timeout=60, seed=0)
+    results = pp.launch(_accumulation_worker, strategy, 2, args=(strategy,), runtime="ignite", timeout=200)
+    reference = _one_process("fp32")
+    for r in results:
+        assert r["micro"] == 2, "global 8 = 2 (micro) x 2 (accumulate) x 2 (data)"
+        assert (r["iterations"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
+        assert r["reductions"] == r["steps"], "one gradient all-reduce per optimizer step (no_sync between)"
+        assert _max_diff(r["params"], reference) < 1e-5

@@ -3,6 +3,8 @@
 - bf16-mixed at data=2 (gloo processes) equals plain Lightning in one process with the same
   global batches (Trainer(precision="bf16-mixed"), no polyparallel), within the bf16 tolerance
   stated below, and differs from float32 by more than that (bfloat16 really computed);
+- data=2 x accumulate=2 equals plain Lightning in one process with the same global batch (1e-5),
+  with one gradient all-reduce per optimizer step;
 - a Trainer(precision=), a precision plugin or accumulate_grad_batches that contradicts the
   Strategy is refused before fit, naming both; both Lightning namespaces.
 """
