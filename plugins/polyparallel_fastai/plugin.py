@@ -25,6 +25,8 @@ CAPABILITIES = pp.Capabilities(
         "bf16-true": "fastai has no bfloat16 'true' precision (its ModelToHalf is float16 and casts inputs by hand); "
                      "use 'bf16-mixed' (learn.to_bf16())",
         "custom": "fastai's MixedPrecision runs bfloat16 or float16 autocast over float32 parameters only"},
+    # Strategy(accumulate=N): fastai's GradientAccumulation over shard_data's micro-batches.
+    accumulation=True,
 )
 
 

@@ -5,7 +5,10 @@
   global batches, within the bf16 tolerance below; float32 is further away (bfloat16 computed);
   the Learner is left as it was (the callback added for the fit is gone);
 - a MixedPrecision of another mode than the Strategy's is refused before any collective,
-  naming both; bf16-true and dtype combinations are refused before launch.
+  naming both; bf16-true and dtype combinations are refused before launch;
+- data=2 x accumulate=2 equals a one-process Learner with the same global batch (1e-5), fastai's
+  GradientAccumulation over micro-batches, one gradient all-reduce per step; a
+  GradientAccumulation with another n_acc is refused naming both.
 """
 
 import pytest
@@ -136,3 +139,62 @@ def test_precisions_fastai_has_no_mechanism_for_are_refused_before_launch():
     custom = pp.PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16")
     with pytest.raises(pp.UnsupportedTopologyError, match="'fastai'.*cannot run precision"):
         pp.Strategy(data=2, precision=custom).check("fastai", world_size=2)
+
+
+def _accumulation_worker(strategy):
+    import torch.distributed as dist
+    from fastai.callback.core import Callback
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    counts = {"reductions": 0, "steps": 0, "batches": 0, "bs": set()}
+
+    def counting_hook(state, bucket):
+        counts["reductions"] += 1
+        return allreduce_hook(state, bucket)
+
+    class Count(Callback):
+        order = 9  # after the adapter's before_fit (8): learn.model is the DDP wrapper
+
+        def before_fit(self):
+            self.learn.model.register_comm_hook(dist.group.WORLD, counting_hook)
+
+        def after_batch(self):
+            if self.training:
+                counts["batches"] += 1
+                counts["bs"].add(len(self.learn.yb[0]))
+
+        def after_step(self):
+            counts["steps"] += 1
+
+    train, valid = _data()
+    model = _Recording()
+    learn = make_learner(train, valid, model, GLOBAL, cbs=[strategy.adapt("fastai"), Count()])
+    learn.fit(EPOCHS)
+    return {"params": _params(model), **counts, "bs": sorted(counts["bs"]),
+            "callbacks": sorted(type(cb).__name__ for cb in learn.cbs)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_data_2_accumulate_2_equals_fastai_in_one_process_with_the_global_batch():
+    strategy = pp.Strategy(data=2, accumulate=2, batch_size=GLOBAL, timeout=60, seed=SEED)
+    results = pp.launch(_accumulation_worker, strategy, 2, args=(strategy,), runtime="fastai", timeout=200)
+    reference, _ = _one_process(False)
+    for r in results:
+        assert r["bs"] == [2], "micro-batches: 8 = 2 (micro) x 2 (accumulate) x 2 (data)"
+        assert (r["batches"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
+        assert r["reductions"] == r["steps"], "one gradient all-reduce per optimizer step"
+        assert "StrategyGradientAccumulation" not in r["callbacks"], "the callback added for the fit is removed"
+        assert _max_diff(r["params"], reference) < 1e-5
+
+
+def test_a_gradient_accumulation_other_than_the_strategys_is_refused_naming_both():
+    from fastai.callback.training import GradientAccumulation
+
+    from polyparallel_fastai.accumulation import apply
+
+    train, valid = _data()
+    learn = make_learner(train, valid, _Recording(), GLOBAL, cbs=[GradientAccumulation(n_acc=32)])
+    with pytest.raises(pp.TopologyError, match=r"GradientAccumulation\(n_acc=32\) contradicts "
+                                               r"Strategy\(accumulate=2\), whose optimizer step is 8 samples"):
+        apply(learn, pp.Strategy(data=1, accumulate=2, batch_size=GLOBAL), 1)
