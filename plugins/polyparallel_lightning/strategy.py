@@ -36,7 +36,11 @@ decisions, barriers           over the world (every rank must agree to stop or t
 ``set_world_ranks``, ``root_device``, ``distributed_sampler_kwargs``, ``process_group_backend``,
 ``reduce``, ``reduce_boolean_decision``, ``barrier``, ``broadcast``, ``optimizer_step``,
 ``process_dataloader``, ``on_validation_start``/``on_test_start``/``on_predict_start``,
-``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin``,
+``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin`` (its setter,
+which the Trainer's connector calls with the plugin of ``Trainer(precision=)``, is overridden to
+reconcile it with ``Strategy(precision=)``; :mod:`.precision`), ``block_backward_sync`` (overridden:
+the runtime's ``no_sync``), ``Trainer.accumulate_grad_batches``, the precision plugins ``Precision``,
+``MixedPrecision``, ``HalfPrecision`` and their ``precision`` attribute,
 ``cluster_environment``, ``parallel_devices``, ``world_size``/``global_rank``/``local_rank``,
 ``num_processes``/``num_nodes``, ``checkpoint_io``, ``lightning_fabric...reset_seed``, the
 ``LightningEnvironment`` cluster environment, ``trainer.state``; for checkpoints (:mod:`.checkpoint`)
