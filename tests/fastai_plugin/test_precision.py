@@ -78,11 +78,22 @@ def _max_diff(a, b):
     return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 
 
+def _both(strategy):
+    """Both scenarios in one launch (process start-up is most of a test's time here)."""
+    return {"bf16": _worker(strategy.replace(precision="bf16-mixed")),
+            "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    strategy = pp.Strategy(data=2, batch_size=GLOBAL, timeout=60, seed=SEED)
+    return pp.launch(_both, strategy, 2, args=(strategy,), runtime="fastai", timeout=200)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_bf16_mixed_at_data_2_equals_fastai_in_one_process():
-    strategy = pp.Strategy(data=2, precision="bf16-mixed", batch_size=GLOBAL, timeout=60, seed=SEED)
-    results = pp.launch(_worker, strategy, 2, args=(strategy,), runtime="fastai", timeout=200)
+def test_bf16_mixed_at_data_2_equals_fastai_in_one_process(launched):
+    results = [r["bf16"] for r in launched]
     (reference, dtypes), (fp32, _) = _one_process(True), _one_process(False)
     assert dtypes == ["torch.bfloat16"]
     for r in results:
@@ -176,9 +187,8 @@ def _accumulation_worker(strategy):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_data_2_accumulate_2_equals_fastai_in_one_process_with_the_global_batch():
-    strategy = pp.Strategy(data=2, accumulate=2, batch_size=GLOBAL, timeout=60, seed=SEED)
-    results = pp.launch(_accumulation_worker, strategy, 2, args=(strategy,), runtime="fastai", timeout=200)
+def test_data_2_accumulate_2_equals_fastai_in_one_process_with_the_global_batch(launched):
+    results = [r["accumulation"] for r in launched]
     reference, _ = _one_process(False)
     for r in results:
         assert r["bs"] == [2], "micro-batches: 8 = 2 (micro) x 2 (accumulate) x 2 (data)"

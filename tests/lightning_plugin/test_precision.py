@@ -81,11 +81,22 @@ def _max_diff(a, b):
     return max(abs(x - y) for name in a for x, y in zip(a[name], b[name]))
 
 
+def _worker(strategy):
+    """Both scenarios in one launch (process start-up is most of a test's time here)."""
+    return {"bf16": _bf16_worker(strategy.replace(precision="bf16-mixed")),
+            "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    strategy = pp.Strategy(data=2, timeout=60, seed=0)
+    return pp.launch(_worker, strategy, 2, args=(strategy,), runtime="lightning", timeout=200)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_bf16_mixed_at_data_2_equals_plain_lightning_in_one_process():
-    strategy = pp.Strategy(data=2, precision="bf16-mixed", timeout=60, seed=0)
-    results = pp.launch(_bf16_worker, strategy, 2, args=(strategy,), runtime="lightning", timeout=200)
+def test_bf16_mixed_at_data_2_equals_plain_lightning_in_one_process(launched):
+    results = [r["bf16"] for r in launched]
     reference, reference_dtypes = _plain_lightning("bf16-mixed")
     fp32, _ = _plain_lightning("32-true")
     for r in results:
@@ -168,9 +179,8 @@ def _accumulation_worker(strategy):
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_data_2_accumulate_2_equals_one_process_with_the_global_batch():
-    strategy = pp.Strategy(data=2, accumulate=2, timeout=60, seed=0)
-    results = pp.launch(_accumulation_worker, strategy, 2, args=(strategy,), runtime="lightning", timeout=200)
+def test_data_2_accumulate_2_equals_one_process_with_the_global_batch(launched):
+    results = [r["accumulation"] for r in launched]
     reference, _ = _plain_lightning("32-true")  # batches of 8 = 2 (micro) x 2 (accumulate) x 2 (data)
     for r in results:
         assert r["accumulate_grad_batches"] == 2, "set from Strategy(accumulate=)"
