@@ -50,15 +50,28 @@ def _params(model):
 
 
 def _worker(strategy):
+    from fastai.callback.core import Callback
+
     train, valid = _data()
     model = _Recording()
     learn = make_learner(train, valid, model, GLOBAL, cbs=[strategy.adapt("fastai")])
+    scales = []
+
+    class Scale(Callback):
+        order = 11  # after MixedPrecision's after_step (10): the scaler's scale of the step
+
+        def after_step(self):
+            scaler = getattr(self.learn, "scaler", None)
+            scales.append(float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None)
+
+    learn.add_cb(Scale())
     learn.fit(EPOCHS)
-    return {"params": _params(model), "dtypes": sorted(model.dtypes),
+    learn.remove_cb(Scale)
+    return {"params": _params(model), "dtypes": sorted(model.dtypes), "scale": scales[-1] if scales else None,
             "callbacks": sorted(type(cb).__name__ for cb in learn.cbs)}
 
 
-def _one_process(bf16):
+def _one_process(mode):
     from fastai.callback.fp16 import MixedPrecision
 
     from polyparallel_fastai.precision import device_before_fit
@@ -68,7 +81,7 @@ def _one_process(bf16):
 
     train, valid = _data()
     model = _Recording()
-    learn = make_learner(train, valid, model, GLOBAL, cbs=[CpuMixedPrecision(amp_mode="bf16")] if bf16 else [])
+    learn = make_learner(train, valid, model, GLOBAL, cbs=[CpuMixedPrecision(amp_mode=mode)] if mode else [])
     single_process_order(learn, N_TRAIN, SEED)
     learn.fit(EPOCHS)
     return _params(model), sorted(model.dtypes)
@@ -81,6 +94,7 @@ def _max_diff(a, b):
 def _both(strategy):
     """Both scenarios in one launch (process start-up is most of a test's time here)."""
     return {"bf16": _worker(strategy.replace(precision="bf16-mixed")),
+            "fp16": _worker(strategy.replace(precision="fp16-mixed")),
             "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
 
 
@@ -94,7 +108,7 @@ def launched():
 @pytest.mark.timeout(240)
 def test_bf16_mixed_at_data_2_equals_fastai_in_one_process(launched):
     results = [r["bf16"] for r in launched]
-    (reference, dtypes), (fp32, _) = _one_process(True), _one_process(False)
+    (reference, dtypes), (fp32, _) = _one_process("bf16"), _one_process(None)
     assert dtypes == ["torch.bfloat16"]
     for r in results:
         assert r["dtypes"] == ["torch.bfloat16"]
@@ -189,7 +203,7 @@ def _accumulation_worker(strategy):
 @pytest.mark.timeout(240)
 def test_data_2_accumulate_2_equals_fastai_in_one_process_with_the_global_batch(launched):
     results = [r["accumulation"] for r in launched]
-    reference, _ = _one_process(False)
+    reference, _ = _one_process(None)
     for r in results:
         assert r["bs"] == [2], "micro-batches: 8 = 2 (micro) x 2 (accumulate) x 2 (data)"
         assert (r["batches"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
@@ -208,3 +222,19 @@ def test_a_gradient_accumulation_other_than_the_strategys_is_refused_naming_both
     with pytest.raises(pp.TopologyError, match=r"GradientAccumulation\(n_acc=32\) contradicts "
                                                r"Strategy\(accumulate=2\), whose optimizer step is 8 samples"):
         apply(learn, pp.Strategy(data=1, accumulate=2, batch_size=GLOBAL), 1)
+
+
+#: fp16 keeps 11 bits of mantissa (here the scaler also skips the steps whose scaled gradients
+#: overflow float16, as fastai does on CUDA: the one-process reference runs the same scaler).
+FP16_ATOL = 2e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_fp16_mixed_at_data_2_equals_fastai_in_one_process_with_loss_scaling(launched):
+    reference, dtypes = _one_process("fp16")
+    assert dtypes == ["torch.float16"]
+    for r in (r["fp16"] for r in launched):
+        assert r["dtypes"] == ["torch.float16"]
+        assert r["scale"] is not None and r["scale"] > 1, "dynamic loss scaling (GradScaler) on the CPU"
+        assert _max_diff(r["params"], reference) < FP16_ATOL

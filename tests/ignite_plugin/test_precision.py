@@ -45,7 +45,9 @@ def _worker(strategy):
     trainer = ignite.create_supervised_trainer(model, opt, nn.functional.cross_entropy, data=loader,
                                                model_fn=model_fn)
     trainer.run(loader, max_epochs=EPOCHS)
-    return {"params": flat_params(model), "dtypes": sorted(dtypes), "iterations": trainer.state.iteration}
+    scaler = getattr(trainer.state, "scaler", None)
+    return {"params": flat_params(model), "dtypes": sorted(dtypes), "iterations": trainer.state.iteration,
+            "scale": float(scaler.get_scale()) if scaler is not None else None}
 
 
 def _one_process(precision):
@@ -83,6 +85,7 @@ def _max_diff(a, b):
 def _both(strategy):
     """Both scenarios in one launch (process start-up is most of a test's time here)."""
     return {"bf16": _worker(strategy.replace(precision="bf16-mixed")),
+            "fp16": _worker(strategy.replace(precision="fp16-mixed")),
             "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
 
 
@@ -161,3 +164,17 @@ def test_data_2_accumulate_2_equals_one_process_with_the_global_batch(launched):
         assert (r["iterations"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
         assert r["reductions"] == r["steps"], "one gradient all-reduce per optimizer step (no_sync between)"
         assert _max_diff(r["params"], reference) < 1e-5
+
+
+#: fp16 keeps 11 bits of mantissa: fp16-mixed at data=2 stays within this of float32 in one process.
+FP16_ATOL = 2e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_fp16_mixed_at_data_2_scales_the_loss_and_trains_as_float32_within_fp16_tolerance(launched):
+    fp32 = _one_process("fp32")
+    for r in (r["fp16"] for r in launched):
+        assert r["dtypes"] == ["torch.float16"]
+        assert r["scale"] is not None and r["scale"] > 1, "dynamic loss scaling (GradScaler) on the CPU"
+        assert _max_diff(r["params"], fp32) < FP16_ATOL

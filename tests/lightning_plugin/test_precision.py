@@ -58,8 +58,10 @@ def _bf16_worker(strategy):
     trainer = make_trainer(strategy, NS, max_epochs=EPOCHS, limit_val_batches=0)
     plugin = trainer.strategy.precision_plugin
     trainer.fit(module, _loader(PER_RANK))
+    scaler = getattr(plugin, "scaler", None)
     return {"plugin": (type(plugin).__name__, plugin.precision), "dtypes": sorted(module.dtypes),
-            "params": flat_params(module.net), "steps": len(module.losses)}
+            "params": flat_params(module.net), "steps": len(module.losses),
+            "scale": float(scaler.get_scale()) if scaler is not None else None}
 
 
 def _plain_lightning(precision):
@@ -84,6 +86,7 @@ def _max_diff(a, b):
 def _worker(strategy):
     """Both scenarios in one launch (process start-up is most of a test's time here)."""
     return {"bf16": _bf16_worker(strategy.replace(precision="bf16-mixed")),
+            "fp16": _bf16_worker(strategy.replace(precision="fp16-mixed")),
             "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
 
 
@@ -187,3 +190,18 @@ def test_data_2_accumulate_2_equals_one_process_with_the_global_batch(launched):
         assert (r["micro_batches"], r["steps"]) == (10 * EPOCHS, 5 * EPOCHS)
         assert r["reductions"] == r["steps"], "one gradient all-reduce per optimizer step (no_sync between)"
         assert _max_diff(r["params"], reference) < 1e-5
+
+
+#: fp16 keeps 11 bits of mantissa: fp16-mixed at data=2 stays within this of float32 in one process.
+FP16_ATOL = 2e-4
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_fp16_mixed_at_data_2_scales_the_loss_and_trains_as_float32_within_fp16_tolerance(launched):
+    fp32, _ = _plain_lightning("32-true")
+    for r in (r["fp16"] for r in launched):
+        assert r["plugin"] == ("MixedPrecision", "16-mixed")
+        assert r["dtypes"] == ["torch.float16"]
+        assert r["scale"] is not None and r["scale"] > 1, "dynamic loss scaling (GradScaler) on the CPU"
+        assert _max_diff(r["params"], fp32) < FP16_ATOL
