@@ -324,12 +324,12 @@ class IgniteAdapter:
 
             kwargs.setdefault("device", self.device)
             policy, device = self.strategy.precision, torch.device(kwargs["device"])
-            if policy is not None and policy.mixed:
+            if policy is not None:
                 forward = kwargs.pop("model_fn", lambda model, x: model(x))
 
                 def model_fn(model: nn.Module, x: Any) -> Any:
                     with _precision.autocast(policy, device):
-                        return forward(model, x)
+                        return forward(model, _precision.cast_inputs(x, policy))
 
                 kwargs["model_fn"] = model_fn
             transform = kwargs.pop("output_transform", lambda x, y, y_pred: (y_pred, y))

@@ -15,7 +15,8 @@ Strategy                 the step
 ``compute_dtype``        ``torch.autocast(<the runtime's device type>, dtype=compute_dtype)``
                          around the forward and the loss (mixed precision only)
 ``param_dtype``          the model's floating parameters cast to it by ``auto_model``, before
-                         the model is wrapped (``"bf16-true"``)
+                         the model is wrapped, and floating inputs cast to it in the step
+                         (``"bf16-true"``)
 ``reduce_dtype``         DDP reduces in the parameters' dtype, which every preset names
 ``loss_scaling``         ``torch.amp.GradScaler(<device type>)`` (``"fp16-mixed"``; the CPU has
                          float16 autocast and a GradScaler in torch >= 2.3), in
@@ -65,6 +66,22 @@ def cast_params(model: nn.Module, policy: pp.PrecisionPolicy | None) -> nn.Modul
         if any(p.is_floating_point() and p.dtype != dtype for p in [*model.parameters(), *model.buffers()]):
             model.to(dtype)
     return model
+
+
+def cast_inputs(x: Any, policy: pp.PrecisionPolicy | None) -> Any:
+    """Floating input tensors in ``policy.param_dtype`` when the policy is "true" (not mixed) and
+    narrower than float32 (``"bf16-true"``: the parameters are bfloat16), as Lightning's
+    ``HalfPrecision`` converts inputs; anything else unchanged."""
+    if policy is None or policy.mixed or policy.param_dtype in ("float32", "float64"):
+        return x
+    dtype = _DTYPES[policy.param_dtype]
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(cast_inputs(v, policy) for v in x)
+    if isinstance(x, dict):
+        return {k: cast_inputs(v, policy) for k, v in x.items()}
+    return x
 
 
 def check_kwargs(strategy: pp.Strategy, kwargs: dict[str, Any]) -> None:
@@ -123,6 +140,7 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: C
             optimizer.zero_grad()
         model.train()
         x, y = prepare_batch(batch, device=device, non_blocking=non_blocking)
+        x = cast_inputs(x, policy)
         boundary = iteration % steps == 0
         # One reduction per optimizer step: DDP and FSDP2 skip it in the backward passes between.
         with no_sync(model) if not boundary else contextlib.nullcontext():

@@ -178,3 +178,25 @@ def test_fp16_mixed_at_data_2_scales_the_loss_and_trains_as_float32_within_fp16_
         assert r["dtypes"] == ["torch.float16"]
         assert r["scale"] is not None and r["scale"] > 1, "dynamic loss scaling (GradScaler) on the CPU"
         assert _max_diff(r["params"], fp32) < FP16_ATOL
+
+
+def test_bf16_true_keeps_the_parameters_in_bfloat16_through_the_step():
+    from ignite.engine import Engine
+    from torch.utils.data import DataLoader
+
+    from polyparallel_ignite.precision import cast_params, training_step
+    from polyparallel_torch.testing import LR, reference_dataset
+
+    strategy = pp.Strategy(precision="bf16-true")
+    model = cast_params(_model(), strategy.precision)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    # float32 inputs: the step casts them to the parameters' bfloat16
+    engine = Engine(training_step(model, opt, nn.functional.cross_entropy, strategy, torch.device("cpu")))
+    engine.run(DataLoader(reference_dataset(N), batch_size=GLOBAL), max_epochs=1)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {s["momentum_buffer"].dtype for s in opt.state.values()} == {torch.bfloat16}, "optimizer state bf16"
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "it trained"
+    assert engine.state.output == engine.state.output  # a finite loss (not NaN)
