@@ -1,6 +1,6 @@
 """Strategy(precision=) and Strategy(accumulate=) through Lightning's own mechanisms.
 
-- bf16-mixed at data=2 (gloo processes) equals plain Lightning in one process with the same
+- bf16-mixed at data=2 (gloo processes; zero=0 and zero=2) equals plain Lightning in one process with the same
   global batches (Trainer(precision="bf16-mixed"), no polyparallel), within the bf16 tolerance
   stated below, and differs from float32 by more than that (bfloat16 really computed);
 - data=2 x accumulate=2 equals plain Lightning in one process with the same global batch (1e-5),
@@ -87,6 +87,7 @@ def _worker(strategy):
     """Both scenarios in one launch (process start-up is most of a test's time here)."""
     return {"bf16": _bf16_worker(strategy.replace(precision="bf16-mixed")),
             "fp16": _bf16_worker(strategy.replace(precision="fp16-mixed")),
+            "bf16_zero2": _bf16_worker(strategy.replace(precision="bf16-mixed", zero=2)),
             "accumulation": _accumulation_worker(strategy.replace(accumulate=2))}
 
 
@@ -108,6 +109,9 @@ def test_bf16_mixed_at_data_2_equals_plain_lightning_in_one_process(launched):
         assert r["steps"] == 5 * EPOCHS
         assert _max_diff(r["params"], reference) < BF16_ATOL
     assert _max_diff(results[0]["params"], results[1]["params"]) == 0, "replicas diverged"
+    for r in (r["bf16_zero2"] for r in launched):  # FSDP2 (ModelParallelStrategy) under the same plugin
+        assert r["plugin"] == ("MixedPrecision", "bf16-mixed") and r["dtypes"] == ["torch.bfloat16"]
+        assert _max_diff(r["params"], reference) < BF16_ATOL
     # bfloat16 was computed: float32 is further from it than the two bf16 runs are from each other.
     assert _max_diff(reference, fp32) > 4 * _max_diff(results[0]["params"], reference)
 
