@@ -29,6 +29,8 @@ OUT=benchmarks/results/latest.md
     timeout -k 10 1200 python benchmarks/bench_jax.py "${QUICK[@]}" --json benchmarks/results/jax.json
     echo '```'; echo; echo '## Sharding (zero=3, FSDP2)'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_sharding.py "${QUICK[@]}" --json benchmarks/results/sharding.json
+    echo '```'; echo; echo '## Precision (bf16-mixed: DDP + autocast, FSDP2 MixedPrecisionPolicy)'; echo '```'
+    timeout -k 10 1500 python benchmarks/bench_precision.py "${QUICK[@]}" --json benchmarks/results/precision.json
     echo '```'; echo; echo '## Checkpoints (data=2 x tensor=2)'; echo '```'
     timeout -k 10 1200 python benchmarks/bench_checkpoint.py "${QUICK[@]}" --json benchmarks/results/checkpoint.json
     echo '```'; echo; echo '## DeepSpeed adapter'; echo '```'

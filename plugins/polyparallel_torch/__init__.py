@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["no_sync", "steps", "Step", "get_runtime", "full_state", "TopologySampler", "ShardedLoader", "default_plan", "make_optimizer",
+__all__ = ["no_sync", "steps", "Step", "grad_scaler", "state_bytes",
+           "get_runtime", "full_state", "TopologySampler", "ShardedLoader", "default_plan", "make_optimizer",
            "save_checkpoint", "load_checkpoint"]
 
 
@@ -21,6 +22,9 @@ def __getattr__(name: str) -> Any:
     if name in ("steps", "Step"):
         from . import accumulation
         return getattr(accumulation, name)
+    if name in ("grad_scaler", "state_bytes"):
+        from . import precision
+        return getattr(precision, name)
     if name == "get_runtime":
         from .runtime import get_runtime
         return get_runtime

@@ -197,7 +197,9 @@ def steps(strategy: pp.Strategy, model: nn.Module, loader: Iterable[Any], scaler
         raise TypeError(f"polyparallel_torch.steps() needs the module returned by strategy.wrap_model. "
                         f"Received: {model!r}.")
     if scaler is None:
-        scaler = getattr(model, "_polyparallel_scaler", None)
+        from .precision import grad_scaler
+
+        scaler = grad_scaler(model)
     n = strategy.accumulate
     iterator = iter(loader)
     index = 0

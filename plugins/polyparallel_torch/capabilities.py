@@ -25,6 +25,9 @@ CAPABILITIES = pp.Capabilities(
     # Strategy(accumulate=N): shard_data gives micro-batches, polyparallel_torch.steps reduces once
     # per step (DDP require_backward_grad_sync, FSDP2 set_requires_gradient_sync); accumulation.py.
     accumulation=True,
+    # Strategy(precision=): autocast, bf16-true casts, FSDP2 MixedPrecisionPolicy, DDP compress hooks,
+    # GradScaler/ShardedGradScaler (precision.py, which also refuses the combinations it cannot map).
+    precisions={"32", "bf16-mixed", "bf16-true", "fp16-mixed", "custom"},
     stages_with={
         "tensor": ({0, 2, 3}, "its stage 1 is torch's ZeroRedundancyOptimizer, which updates and broadcasts whole "
                               "parameters, not tensor-parallel shards (zero=2 and zero=3 shard them with FSDP2 over "

@@ -86,13 +86,13 @@ def _check_plan(model: nn.Module, plan: dict[str, Any], tensor_size: int) -> Non
 
 
 def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], stage: int = 0,
-             accumulate: int = 1) -> dict[str, Any]:
+             accumulate: int = 1, precision: pp.PrecisionPolicy | None = None) -> dict[str, Any]:
     """Check the options and the plan against the model *before* any process group exists;
     return the options with the tensor plan resolved (the default plan when none is given)."""
     from .sharding import is_fsdp, validate_sharding
 
     unknown = set(options) - {"plan", "ddp_kwargs", "fsdp_kwargs", "shard_modules", "loss_fn", "microbatches",
-                              "split_points", "stages"}
+                              "split_points", "stages", "precision"}
     if unknown:
         raise TypeError(f"wrap_model() got unknown options {sorted(unknown)}; torch accepts plan=, ddp_kwargs=, "
                         "at zero=2/3 fsdp_kwargs= and shard_modules=, and for pipeline>1 loss_fn=, microbatches=, "
@@ -102,8 +102,19 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
                         "pass the bare module.")
     # The stage this runtime shards at (the session checked only the axes: an adapter such as
     # DeepSpeed may shard by itself on these groups); refused here before any collective.
-    CAPABILITIES.check(topology, stage)
+    if "precision" in options:  # an adapter whose framework applies the precision itself passes None
+        precision = options["precision"]
+        if not (precision is None or isinstance(precision, pp.PrecisionPolicy)):
+            raise TypeError(f"wrap_model(precision=) takes a PrecisionPolicy or None (the Strategy's precision is the "
+                            f"default). Received: {precision!r}.")
+    CAPABILITIES.check(topology, stage, precision)
+    from .precision import check as check_precision
+
+    check_precision(precision, topology, stage, "wrap_model()")
     validate_sharding(model, topology, stage, options)
+    if precision is not None and "mp_policy" in (options.get("fsdp_kwargs") or {}):
+        raise TypeError(f"fsdp_kwargs= may not set mp_policy under Strategy(precision={precision!r}): the Strategy's "
+                        "precision decides FSDP2's MixedPrecisionPolicy (set precision=None to pass your own).")
     if topology.size("pipeline") > 1:
         from .pipeline import validate_pipeline
 
@@ -115,8 +126,8 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
                 "micro-batches and accumulate=1.")
 
         validate_pipeline(model, topology, options)
-        return dict(options)
-    options = dict(options)
+        return {**options, "precision": precision}
+    options = {**options, "precision": precision}
     if topology.size("tensor") > 1:
         options["plan"] = options.get("plan") or default_plan(model)
         _check_plan(model, options["plan"], topology.size("tensor"))
@@ -124,17 +135,21 @@ def validate(model: nn.Module, topology: pp.Topology, options: dict[str, Any], s
 
 
 def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
-    """Apply the topology to ``model`` (options already :func:`validate`-d): tensor plan, then
-    data parallelism over the data group (bucket sizes from ``strategy.grad_policy``)."""
+    """Apply the topology to ``model`` (options already :func:`validate`-d): the precision
+    (``options["precision"]``, the Strategy's unless the caller gave one; :mod:`.precision`),
+    tensor plan, then data parallelism over the data group (bucket sizes from ``strategy.grad_policy``)."""
     rt.ensure_usable("wrap_model", "data")
     topology = rt.topology
     stage = strategy.shard_policy.stage
+    precision = options.get("precision", strategy.precision)
     bucket_bytes = strategy.grad_policy.bucket_bytes()
     if topology.size("pipeline") > 1:
         from .pipeline import wrap_pipeline
 
         return wrap_pipeline(model, rt, options, strategy)
-    model = model.to(rt.device)
+    from .precision import attach_scaler, prepare
+
+    model = prepare(model.to(rt.device), precision, rt.device, stage, topology.size("data"))
     if topology.size("tensor") > 1:
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -143,11 +158,12 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], str
     if topology.size("data") > 1 and stage >= 2:
         from .sharding import shard_module
 
-        model = shard_module(model, rt, stage, options)
+        model = shard_module(model, rt, stage, options, precision=precision)
     elif topology.size("data") > 1 and topology.size("tensor") > 1:
         broadcast_over_data(model, rt, bucket_bytes)
     elif topology.size("data") > 1:
         model = wrap_ddp(model, rt, options, strategy)
+    attach_scaler(model, precision, rt.device, fsdp=topology.size("data") > 1 and stage >= 2)
     return model
 
 
@@ -164,4 +180,10 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
-        return nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+    from .precision import ddp_comm_hook
+
+    hook = ddp_comm_hook(options.get("precision", strategy.precision))
+    if hook is not None:  # reduce_dtype narrower than the gradients: cast, all-reduce, cast back
+        ddp.register_comm_hook(rt.group("data"), hook)
+    return ddp

@@ -70,7 +70,8 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
     if not _torch_loaded() or not isinstance(model, _lazy.nn.Module):
         return None
     # before any collective
-    options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage, strategy.accumulate)
+    options = _lazy.model.validate(model, session.topology, options, strategy.shard_policy.stage, strategy.accumulate,
+                                   strategy.precision)
     return _lazy.model.wrap_module(model, _runtime(session), options, strategy)
 
 
@@ -78,6 +79,10 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 def polyparallel_sync_grads(strategy: pp.Strategy, session: pp.Session, target: Any) -> Any:
     if not _torch_loaded():
         return None
+    if isinstance(target, _lazy.nn.Module) and strategy.precision is not None and strategy.precision.loss_scaling:
+        from .precision import check_scaled
+
+        check_scaled(target)  # before any collective, alike on every rank
     if isinstance(target, _lazy.nn.Module) or (
         isinstance(target, (list, tuple)) and target
         and all(isinstance(g, _lazy.torch.Tensor) or g is None for g in target)
@@ -148,6 +153,11 @@ def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: in
                         timeout: float | None, trace_dir: str | None = None) -> list[Any] | None:
     from .launchers.multiprocess import launch_function
 
+    if strategy.precision is not None:  # what the capabilities cannot say, before any process starts
+        from .precision import check
+
+        topology = strategy.topology if strategy.topology.is_resolved else strategy.topology.resolve(nprocs)
+        check(strategy.precision, topology, strategy.shard_policy.stage, "launch()")
     return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir=trace_dir)
 
 

@@ -35,6 +35,7 @@ tensors sharded over ``data`` alone (there are no replicas to average or copy) a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -104,17 +105,24 @@ def validate_sharding(model: nn.Module, topology: pp.Topology, stage: int, optio
 
 
 def shard_module(model: nn.Module, rt: TorchRuntime, stage: int, options: dict[str, Any],
-                 pipelined: bool = False) -> nn.Module:
+                 pipelined: bool = False, precision: pp.PrecisionPolicy | None = None) -> nn.Module:
     """Apply FSDP2 at ``stage`` (2 or 3) over the data dimension of ``rt``'s mesh, in place
     (parameters already on the device and, with ``tensor > 1``, already DTensors over ``tensor``).
     Returns ``model``, now an ``FSDPModule``.
 
     :param pipelined: ``model`` is a pipeline stage: no unit reshards after forward (every
-        micro-batch's backward would gather it again), as torchtitan does with pipelines."""
+        micro-batch's backward would gather it again), as torchtitan does with pipelines.
+    :param precision: a mixed precision becomes every unit's ``MixedPrecisionPolicy``
+        (:func:`polyparallel_torch.precision.fsdp_policy`)."""
     from torch.distributed.fsdp import fully_shard
 
     broadcast_over_data(model, rt)  # replicas start from data rank 0's values, as under DDP
     kwargs = dict(options.get("fsdp_kwargs") or {})
+    from .precision import fsdp_policy
+
+    mp_policy = fsdp_policy(precision)
+    if mp_policy is not None:  # parameters gathered in the compute dtype, gradients reduced in reduce_dtype
+        kwargs["mp_policy"] = mp_policy
     mesh = rt.submesh("data")
     names = dict(model.named_modules())
     given = options.get("shard_modules")
@@ -122,10 +130,13 @@ def shard_module(model: nn.Module, rt: TorchRuntime, stage: int, options: dict[s
     last = paths[-1] if paths and given is None else None  # the default units are in forward order
     # fully_shard goes bottom-up: a unit nested in another must be sharded first.
     paths.sort(key=lambda p: -p.count("."))
+    # The units compute in the policy's dtype and hand their outputs on in it; only the root casts
+    # the model's output back (a cast at every unit's output would only be undone by the next unit).
+    unit_kwargs = kwargs if mp_policy is None else {**kwargs, "mp_policy": dataclasses.replace(mp_policy, output_dtype=None)}
     for path in paths:
         # Stage 3 frees gathered parameters after forward; not the last unit, which backward needs at once.
         reshard = stage == 3 and path != last and not pipelined
-        fully_shard(names[path], mesh=mesh, reshard_after_forward=reshard, **kwargs)
+        fully_shard(names[path], mesh=mesh, reshard_after_forward=reshard, **unit_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
     return model
 

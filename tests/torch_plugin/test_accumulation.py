@@ -81,9 +81,28 @@ def _ddp_fsdp_bare_worker(strategy: pp.Strategy) -> dict:
     model.register_comm_hook(None, _counting_hook(counter))
     out["ddp"] = train_steps(strategy, model)
     out["ddp"]["allreduces"] = counter[0]
-    # FSDP2 (zero=2): no reduce-scatter in the earlier micro-batches' backward
+    # FSDP2 (zero=2, zero=3): no reduce-scatter in the earlier micro-batches' backward
     fsdp = strategy.replace(zero=2)
-    out["fsdp"] = train_steps(fsdp, fsdp.wrap_model(net()))
+    import torch.distributed as dist
+
+    real, calls = dist.reduce_scatter_single, [0]
+
+    def counting(*args, **kwargs):  # FSDP2's reduce-scatter (looked up on the module at each call), counted
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = counting
+    try:
+        model = fsdp.wrap_model(net())
+        out["fsdp"] = train_steps(fsdp, model)
+        per_step, calls[0] = calls[0], 0
+        x, y = dataset()[:4]
+        nn.functional.mse_loss(model(x), y).backward()  # one backward with the reduction on
+        out["fsdp"]["reduce_scatters"] = (per_step, calls[0])
+    finally:
+        dist.reduce_scatter_single = real
+    zero3 = strategy.replace(zero=3)  # parameters resharded after forward: gathered again in each backward
+    out["zero3"] = train_steps(zero3, zero3.wrap_model(net()))
     # A bare module: gradients add up in .grad, sync_grads reduces once
     out["bare"] = train_steps(strategy, net())
     # The hand-written loop with no_sync around the earlier micro-batches.
@@ -112,13 +131,16 @@ def test_data2_accumulate2_equals_one_process_ddp_fsdp_bare_and_reduces_once(run
     results = run(_ddp_fsdp_bare_worker, strategy, 2, strategy, timeout=200)
     want = reference()
     for rank, r in enumerate(results):
-        for label in ("ddp", "fsdp", "bare", "no_sync"):
+        for label in ("ddp", "fsdp", "zero3", "bare", "no_sync"):
             assert_close(r[label]["params"], want, f"rank {rank}, {label}")
         assert r["ddp"]["micro"] == 4  # 16 / (2 x 2)
         # 30 samples a rank: three steps of two micro-batches of 4, then a step of 4 + 2 rows
         assert r["ddp"]["shapes"] == [[4, 4]] * 3 + [[4, 2]] + [[4, 4]] * 3 + [[4, 2]]
         # one all-reduce per optimizer step (8 steps), not one per micro-batch (16)
         assert r["ddp"]["allreduces"] == 2 * 4, r["ddp"]["allreduces"]
+        # FSDP2: the reduce-scatters of one backward, once per step (8), not per micro-batch
+        total, one_backward = r["fsdp"]["reduce_scatters"]
+        assert one_backward >= 1 and total == 8 * one_backward, r["fsdp"]["reduce_scatters"]
 
 
 def _data4_worker(strategy: pp.Strategy) -> dict:
