@@ -257,7 +257,9 @@ class ParallelCallback(Callback):
         _everyday.warn_batchnorm(learn.model, self.session)
         state.inner = learn.model
         state.placement = Placement(learn.model)
-        learn.model = self.strategy.wrap_model(learn.model)
+        # fastai's MixedPrecision applies Strategy(precision=) (.precision): not the torch runtime too.
+        own = {"precision": None} if self.session.runtime == "torch" else {}
+        learn.model = self.strategy.wrap_model(learn.model, **own)
         _precision.apply(learn, self.strategy)  # Strategy(precision=) as fastai's MixedPrecision
         # A runtime that moves the model to its device (XLA) may give it new Parameter objects:
         # the optimizer fastai made before this event must step those.

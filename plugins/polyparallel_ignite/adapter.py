@@ -130,7 +130,9 @@ class IgniteAdapter:
                                 f"the topology is {self.session.topology!r}.")
             # Strategy(precision=)'s param_dtype, before the wrapper is built over the parameters.
             _precision.cast_params(model, self.strategy.precision)
-            # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set.
+            # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set. The
+            # adapter's step applies Strategy(precision=) (.precision): not the runtime's hooks too.
+            options.setdefault("precision", None)
             return self.strategy.wrap_model(model, **options)
         if options:
             raise TypeError(f"auto_model() with pipeline > 1 takes stages= or boundaries=; received {sorted(options)}.")

@@ -55,7 +55,8 @@ class DDPMixin(StrategyMixin):
             options["plan"] = self._tensor_plan(model)
         if self._ddp_options:
             options["ddp_kwargs"] = dict(self._ddp_options)
-        return self._pp.wrap_model(model, **options)
+        # Lightning's precision plugin applies Strategy(precision=) (.precision): not the runtime too.
+        return self._pp.wrap_model(model, precision=None, **options)
 
     def configure_ddp(self) -> None:
         """Wrap through polyparallel; Lightning's DDP communication hooks only for a DDP model."""

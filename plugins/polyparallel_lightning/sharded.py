@@ -101,7 +101,8 @@ class ShardedMixin(StrategyMixin):
         self.model_to_device()  # type: ignore[attr-defined]
         if not is_sharded(self.model):
             options = {"plan": self._tensor_plan(self.model)} if self.topology.size("tensor") > 1 else {}
-            self.model = self._pp.wrap_model(self.model, **options)
+            # Lightning's precision plugin applies Strategy(precision=) (.precision): not the runtime too.
+            self.model = self._pp.wrap_model(self.model, precision=None, **options)
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
         self.setup_precision_plugin()  # type: ignore[attr-defined]
