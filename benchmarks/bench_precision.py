@@ -17,6 +17,10 @@ samples per rank), in the same 2 gloo processes, over the same process group:
 - a **control** per scenario: a second, identical hand-written model (the same-vs-same ratio
   shows the noise floor).
 
+The polyparallel step includes the plain loop's ``strategy.sync_grads(model)`` (a no-op under DDP
+and FSDP2 but its identity check, one 16-byte all-reduce), timed inside the step: the ratio
+without it is ``wrap_model``'s precision mapping alone.
+
 Within a launch the sides alternate step by step through every order of the three (a barrier
 before each timed step); a launch's ratio is the median over its rounds of the ratio within a
 round. Each figure is the median over ``--launches`` separate launches, with min and max.
@@ -34,7 +38,9 @@ from typing import Any
 
 import polyparallel as pp
 
-RATIOS = {"native / polyparallel": ("native", "polyparallel"), "native / control (same vs same)": ("native", "control")}
+RATIOS = {"native / polyparallel": ("native", "polyparallel"),
+          "native / polyparallel without sync_grads": ("native", "polyparallel without sync_grads"),
+          "native / control (same vs same)": ("native", "control")}
 
 
 def _model() -> Any:
@@ -94,20 +100,25 @@ def _worker(strategy: pp.Strategy, steps: int) -> dict[str, dict[str, float]]:
         torch.manual_seed(s.session().rank)
         x, y = torch.randn(32, 256), torch.randn(32, 256)
 
+        sync_s = 0.0
+
         def step(name: str) -> None:
+            nonlocal sync_s
             model, forward = sides[name]
             opt = opts[name]
             opt.zero_grad()
             nn.functional.mse_loss(forward(x), y).backward()
             if name == "polyparallel":
+                start = time.perf_counter()
                 s.sync_grads(model)  # the plain loop's call (a no-op but its identity check)
+                sync_s = time.perf_counter() - start
             opt.step()
 
         for name in sides:  # warm-up
             for _ in range(3):
                 step(name)
         orders = list(itertools.permutations(sides))
-        times: dict[str, list[float]] = {k: [] for k in [*sides, *RATIOS]}
+        times: dict[str, list[float]] = {k: [] for k in [*sides, "sync_grads", *RATIOS]}
         for k in range(steps):
             took = {}
             for name in orders[k % len(orders)]:
@@ -115,7 +126,9 @@ def _worker(strategy: pp.Strategy, steps: int) -> dict[str, dict[str, float]]:
                 start = time.perf_counter()
                 step(name)
                 took[name] = time.perf_counter() - start
-            for name in sides:
+            took["sync_grads"] = sync_s
+            took["polyparallel without sync_grads"] = took["polyparallel"] - sync_s
+            for name in [*sides, "sync_grads"]:
                 times[name].append(took[name])
             for label, (a, b) in RATIOS.items():
                 times[label].append(took[a] / took[b])
@@ -144,9 +157,9 @@ def main() -> None:
             figures[key] = (statistics.median(values), min(values), max(values))
         report[scenario] = figures
         lines.append(f"  {scenario}:")
-        for name in ("polyparallel", "native", "control"):
+        for name in ("polyparallel", "native", "control", "sync_grads"):
             m, lo, hi = figures[name]
-            lines.append(f"    {name:>12} step: {1000 * m:.2f} ms (min {1000 * lo:.2f}, max {1000 * hi:.2f})")
+            lines.append(f"    {name:>12}: {1000 * m:.2f} ms (min {1000 * lo:.2f}, max {1000 * hi:.2f})")
         for label in RATIOS:
             m, lo, hi = figures[label]
             lines.append(f"    {label}: {m:.3f} (min {lo:.3f}, max {hi:.3f})")

@@ -66,6 +66,8 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
         raise click.BadParameter(f"expected a positive int. Received: {seq_len}.", param_hint="'--seq-len'")
     if measure < 0 or steps < 1:
         raise click.BadParameter(f"--measure must be >= 0 and --steps >= 1. Received: {measure}, {steps}.")
+    if measure:
+        _check_timeout(timeout)
     found = advisors(pm)
     if not found:
         raise click.ClickException("no installed runtime registers a topology advisor; install one: "
@@ -79,13 +81,15 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
     for _, advisor in sorted(found.items()):
         try:
             profile = advisor.profile(model, batch, seq_len)
-        except (ValueError, TypeError, ImportError, PolyparallelError) as exc:
-            raise click.ClickException(str(exc)) from None
+        except (ValueError, TypeError, ImportError, AttributeError, RuntimeError, PolyparallelError) as exc:
+            # a bad --model (or what its factory builds): a usage error, like every other bad option
+            message = str(exc) if str(exc).startswith("--model") else f"--model {model}: {exception_summary(exc)}"
+            raise click.UsageError(message) from None
         if profile is not None:
             profiles.append((profile, advisor))
     if not profiles:
-        raise click.ClickException(f"--model {model}: no installed advisor ({', '.join(sorted(found))}) understands "
-                                   "the object its factory returns.")
+        raise click.UsageError(f"--model {model}: no installed advisor ({', '.join(sorted(found))}) understands "
+                               "the object its factory returns.")
     links = load_links(world)
     states = OPTIMIZER_STATES[optimizer]
     rows: list[Candidate] = []
@@ -109,8 +113,17 @@ def plan_model(pm: PluginManager, model: str, world: int, batch: int | None, seq
                                "seq_len": seq_len, "optimizer": optimizer, "optimizer_states": states,
                                "links": {**vars(links)}, "candidates": [c.to_dict() for c in accepted + refused],
                                "measured": measured}, indent=2))
-        return
-    _print_plan(profiles, links, optimizer, states, world, batch, accepted, refused, measured)
+    else:
+        _print_plan(profiles, links, optimizer, states, world, batch, accepted, refused, measured)
+    if not accepted:
+        raise click.ClickException(f"no topology of {world} ranks is accepted for --model {model} (every candidate "
+                                   "is refused, with its reason, above): change --world, the pinned axes or --zero.")
+
+
+def _check_timeout(timeout: float) -> None:
+    if not timeout > 0 or timeout == float("inf"):  # NaN fails the first test
+        raise click.BadParameter(f"expected a positive, finite number of seconds. Received: {timeout!r}.",
+                                 param_hint="'--timeout'")
 
 
 def _mib(x: float) -> str:
@@ -167,6 +180,7 @@ def bench_comm(pm: PluginManager, world: int, sizes: Sequence[int], iters: int, 
     if world < 2 or iters < 1 or not sizes or any(s < 4 * world for s in sizes):
         raise click.BadParameter(f"expected --world >= 2, --iters >= 1 and sizes of at least 4 * world bytes. "
                                  f"Received: world={world}, iters={iters}, sizes={list(sizes)}.")
+    _check_timeout(timeout)
     found = advisors(pm)
     try:
         runtime = pm.resolve_runtime(Strategy())

@@ -15,9 +15,44 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["describe_group", "label", "location", "read_dir", "timeline", "rank_ranges"]
+__all__ = ["describe_group", "entry_problem", "label", "location", "read_dir", "timeline", "rank_ranges"]
 
 _OPEN = ("entered", "running")
+
+_TEXT_MAX = 4096
+# The fields of an entry (polyparallel._trace.Entry.to_dict) this module reads, and their types
+# (``None`` allowed where listed); other fields are kept as they are.
+_FIELDS: dict[str, tuple[tuple[type, ...], bool, bool]] = {
+    # name: (types, may be None, required)
+    "operation": ((str,), False, True), "axis": ((str,), False, True), "state": ((str,), False, True),
+    "t0": ((int, float), False, True), "t1": ((int, float), True, False), "seq": ((int,), True, False),
+    "n": ((int,), True, False), "detail": ((str,), True, False), "site": ((str,), True, False),
+    "user": ((str,), True, False), "error": ((str,), True, False),
+}
+
+
+def entry_problem(entry: Any) -> str | None:
+    """Why ``entry`` is not a trace entry these reports can read (a dict with ``operation``,
+    ``axis``, ``state`` and ``t0`` of the right types, texts of at most 4096 characters), or
+    ``None`` when it is one. Entries come from files and from a store others may write to: they
+    are checked before any report reads them."""
+    if not isinstance(entry, dict):
+        return f"a trace entry is a JSON object, not {type(entry).__name__}"
+    for name, (types, nullable, required) in _FIELDS.items():
+        if name not in entry:
+            if required:
+                return f"a trace entry needs {name!r} (it has {sorted(entry)[:8]})"
+            continue
+        value = entry[name]
+        if value is None and nullable:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"the trace entry's {name!r} is {type(value).__name__} ({str(value)[:40]!r})"
+        if isinstance(value, str) and len(value) > _TEXT_MAX:
+            return f"the trace entry's {name!r} is {len(value)} characters long (at most {_TEXT_MAX})"
+        if isinstance(value, float) and value != value:
+            return f"the trace entry's {name!r} is NaN"
+    return None
 
 
 def location(entry: Mapping[str, Any]) -> str:
@@ -131,12 +166,7 @@ def read_dir(directory: str) -> dict[int, dict[str, Any]]:
         if not match:
             continue
         path = os.path.join(directory, name)
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        try:
-            records = [json.loads(line) for line in lines]
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not a trace file (JSON lines): {exc}") from None
+        records = _read_trace_file(path)
         if not records:
             continue
         out[int(match.group(1))] = {"header": records[0], "entries": records[1:]}
@@ -145,6 +175,31 @@ def read_dir(directory: str) -> dict[int, dict[str, Any]]:
                          f"{directory} (polyparallel launch) or polyparallel.launch(..., trace_dir=...), and make sure "
                          "POLYPARALLEL_TRACE is not 0.")
     return out
+
+
+def _read_trace_file(path: str) -> list[dict[str, Any]]:
+    """The records of one ``rank<r>.jsonl``: a header object, then entries (each checked with
+    :func:`entry_problem`). :raises ValueError: naming the file and the line."""
+    not_trace = f"{path} is not a trace file (JSON lines)"
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    except UnicodeDecodeError:
+        raise ValueError(f"{not_trace}: it is not UTF-8 text (a binary file?).") from None
+    records: list[dict[str, Any]] = []
+    for number, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{not_trace}: line {number}: {exc}") from None
+        if records:
+            problem = entry_problem(record)
+        else:
+            problem = None if isinstance(record, dict) else f"the header is a JSON object, not {type(record).__name__}"
+        if problem:
+            raise ValueError(f"{not_trace}: line {number}: {problem}.")
+        records.append(record)
+    return records
 
 
 def timeline(traces: Mapping[int, Mapping[str, Any]], last: int | None = None) -> tuple[list[str], list[list[str]]]:

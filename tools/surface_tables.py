@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SURFACES = {"fastai": "polyparallel_fastai.surface", "ignite": "polyparallel_ignite.surface"}
+SURFACES = {"fastai": "polyparallel_fastai.surface", "ignite": "polyparallel_ignite.surface",
+            "lightning": "polyparallel_lightning.surface"}
 
 
 def main() -> int:

@@ -9,6 +9,8 @@ Modules, by role:
   over Lightning's ``ModelParallelStrategy`` (one class per namespace each).
 - :mod:`.environment`: the cluster environment (Lightning's launcher, or an external one).
 - :mod:`.checkpoint`: consolidated checkpoints of tensor-parallel models (stage 0).
+- :mod:`.predict`: ``trainer.predict`` returns every rank's rows, once each, in order.
+- :mod:`.surface`: the declared surface (every callback, Trainer/Tuner method: works or refused).
 - :mod:`.testing`: ``LightningDriver`` for the conformance kit.
 - :mod:`.demo`: the ``lightning`` row of ``polyparallel demo``.
 

@@ -26,6 +26,10 @@ gradients                     ``strategy.sync_grads(model)`` after the closure, 
                               all-reduce (Lightning's epoch means are batch-size weighted)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
                               before each checkpoint (the ``StatePolicy``)
+predictions                   gathered at ``on_predict_end``: every row once, in order, on every
+                              rank (:mod:`.predict`)
+refusals                      the declared surface's refused callbacks and Tuner calls, at
+                              ``setup_environment``, before any collective (:mod:`.surface`)
 checkpoints                   ``strategy.save``/``strategy.load``: one DCP directory that reshards
                               (:mod:`.checkpoint`); the training loader resumes mid-epoch
 decisions, barriers           over the world (every rank must agree to stop or to save)
@@ -35,7 +39,7 @@ decisions, barriers           over the world (every rank must agree to stop or t
 ``Strategy``/``ParallelStrategy`` methods and properties ``setup``, ``setup_environment``,
 ``set_world_ranks``, ``root_device``, ``distributed_sampler_kwargs``, ``process_group_backend``,
 ``reduce``, ``reduce_boolean_decision``, ``barrier``, ``broadcast``, ``optimizer_step``,
-``process_dataloader``, ``on_validation_start``/``on_test_start``/``on_predict_start``,
+``process_dataloader``, ``on_validation_start``/``on_test_start``/``on_predict_start``/``on_predict_end``,
 ``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin`` (its setter,
 which the Trainer's connector calls with the plugin of ``Trainer(precision=)``, is overridden to
 reconcile it with ``Strategy(precision=)``; :mod:`.precision`), ``block_backward_sync`` (overridden:
@@ -264,6 +268,14 @@ class StrategyMixin(CheckpointMixin):
                 f"{self._pp!r} cannot run on the {world} processes {how}: {exc}"
             ) from None
 
+    def setup_environment(self) -> None:
+        """Refuse what the adapter's declared surface refuses (:mod:`.surface`: the Trainer's
+        callbacks, the Tuner), before any process group or collective; then Lightning's."""
+        from .surface import check_trainer
+
+        check_trainer(getattr(self.lightning_module, "_trainer", None))  # type: ignore[attr-defined]
+        super().setup_environment()  # type: ignore[misc]
+
     def setup_distributed(self) -> None:
         """Ranks from the cluster environment, then the runtime's groups (not Lightning's
         ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
@@ -424,6 +436,30 @@ class StrategyMixin(CheckpointMixin):
         """Predict with synchronised states."""
         super().on_predict_start()  # type: ignore[misc]
         self.sync_states()
+
+    def on_predict_end(self) -> None:
+        """Every rank's predictions gathered and put in order (:mod:`.predict`): ``trainer.predict``
+        returns every row once, in the loader's order, on every rank, as one process does."""
+        super().on_predict_end()  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        loop = getattr(trainer, "predict_loop", None)
+        if self.world_size <= 1 or loop is None or not loop.return_predictions:  # type: ignore[attr-defined]
+            return
+        import torch.distributed as dist
+
+        from .predict import merge_predictions
+
+        mine = [list(batches) for batches in loop._predictions]  # private: one list per dataloader
+        gathered: list[Any] = [None] * self.world_size  # type: ignore[attr-defined]
+        with self.runtime.collective("predict (gather every rank's rows)", "world"):
+            dist.all_gather_object(gathered, mine)
+        topology = self.topology
+        by_data: dict[int, Any] = {}
+        for rank, batches in enumerate(gathered):  # one tensor replica per data coordinate
+            by_data.setdefault(topology.coords(rank)["data"], batches)
+        ranks = [by_data[d] for d in sorted(by_data)]
+        for index, batches in enumerate(loop._predictions):
+            batches[:] = merge_predictions([r[index] for r in ranks])
 
     # -- data -------------------------------------------------------------------------------------------------
     def process_dataloader(self, dataloader: Any) -> Any:

@@ -7,7 +7,9 @@ estimator itself is framework-free (:mod:`polyparallel._advisor`). Here:
   runs one fake forward and backward of a one-sample batch on meta tensors: forward hooks on the
   leaf modules sum their output bytes (the activations kept for backward; tensors made inside a
   module's own ``forward``, such as attention scores, are not seen), ``FlopCounterMode`` counts
-  each top-level layer's FLOPs, and the tensor plan (the factory's ``options``, else the Megatron
+  the FLOPs of the whole forward and backward per module (:func:`layer_flops`: a top-level layer
+  gets those of every module inside it, the layers of an ``nn.ModuleList`` included, and what the
+  root computes itself is a layer of its own), and the tensor plan (the factory's ``options``, else the Megatron
   default for a Sequential MLP) says which parameters, activations and FLOPs split over
   ``tensor``: a column-wise module's outputs and everything computed after it until the next
   row-wise module are split; a row-wise output is all-reduced in forward and a column-wise input's
@@ -31,8 +33,9 @@ from typing import Any
 
 import polyparallel as pp
 from polyparallel._advisor import LayerProfile, ModelProfile, RuntimeTraits, resolve_factory
+from polyparallel._errors import exception_summary
 
-__all__ = ["TorchAdvisor", "build"]
+__all__ = ["TorchAdvisor", "build", "layer_flops"]
 
 BENCH = "bench_comm"
 """The operation name of the collectives benchmark (in the trace and in errors)."""
@@ -63,7 +66,10 @@ def build(spec: str) -> Built:
     from torch import nn
 
     factory = resolve_factory(spec)
-    made = factory()
+    try:
+        made = factory()
+    except Exception as exc:  # the user's factory: its failure is a bad --model, named as such
+        raise TypeError(f"--model {spec}: calling the factory failed: {exception_summary(exc)}") from None
     given: dict[str, Any] = dict(made) if isinstance(made, dict) else {"model": made}
     model = given.get("model")
     if not isinstance(model, nn.Module):
@@ -107,6 +113,26 @@ def _plan_styles(model: Any, plan: dict[str, Any]) -> dict[str, str]:
                 elif isinstance(style, RowwiseParallel):
                     styles[name] = "row"
     return styles
+
+
+def layer_flops(counts: dict[str, dict[Any, int]], root: str, names: Sequence[str]) -> tuple[list[float], float]:
+    """Forward + backward FLOPs per top-level layer (the children ``names`` of the root, ``""``
+    for a root without children) from ``FlopCounterMode.get_flop_counts()``, and what the root
+    computes outside them (in its own ``forward`` and the loss).
+
+    A layer's FLOPs are those of its outermost modules the counter saw: the child itself when it
+    ran its own ``forward``, else its descendants (the layers of an ``nn.ModuleList``, such as
+    ``nn.TransformerEncoder``'s, never run the list's ``forward``)."""
+    total = float(sum(counts.get("Global", {}).values()))
+    if list(names) == [""]:
+        return [total], 0.0
+    per_layer = []
+    for name in names:
+        prefix = f"{root}.{name}"
+        keys = [k for k in counts if k == prefix or k.startswith(prefix + ".")]
+        outermost = [k for k in keys if not any(k.startswith(other + ".") for other in keys if other != k)]
+        per_layer.append(float(sum(sum(counts[k].values()) for k in outermost)))
+    return per_layer, max(0.0, total - sum(per_layer))
 
 
 class TorchAdvisor:
@@ -167,11 +193,10 @@ class TorchAdvisor:
         finally:
             for h in handles:
                 h.remove()
-        flops = counter.get_flop_counts()
         root = type(net).__name__
+        per_layer, own_flops = layer_flops(counter.get_flop_counts(), root, [name for name, _ in children])
         layers = []
         for index, (name, child) in enumerate(children):
-            key = f"{root}.{name}" if name else root
             prefix = f"{name}." if name else ""
             params = tuple((p.numel() * p.element_size(),
                             styles.get(f"{prefix}{n}".rpartition(".")[0]) == "col"
@@ -179,12 +204,13 @@ class TorchAdvisor:
                            for n, p in child.named_parameters())
             s = stats[index]
             layers.append(LayerProfile(name or root, params, s["act"], s["act_t"], s["out"],
-                                       float(sum(flops.get(key, {}).values())),
-                                       any(layer_of.get(p) == index for p in styles), s["ar"], s["n"]))
+                                       per_layer[index], any(layer_of.get(p) == index for p in styles), s["ar"],
+                                       s["n"]))
         own = tuple(p.numel() * p.element_size() for p in net.parameters(recurse=False))
-        if own and children[0][0]:  # with no children, the root is the one layer and holds them already
-            # parameters held by the root itself (not a Sequential: no pipeline cuts to keep aligned)
-            layers.append(LayerProfile(f"{root} (own parameters)", tuple((b, False) for b in own)))
+        if (own or own_flops) and children[0][0]:  # with no children, the root is the one layer already
+            # what the root holds and computes itself (not a Sequential: no pipeline cuts to keep aligned)
+            layers.append(LayerProfile(f"{root} (own parameters and computation)", tuple((b, False) for b in own),
+                                       flops=own_flops))
         cuts: dict[int, tuple[int, ...]] = {}
         microbatches: dict[int, int] = {}
         if isinstance(net, torch.nn.Sequential):

@@ -98,8 +98,7 @@ def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta) -
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     key = (address, port, world_size, rank)
     if _STORE.get("key") != key:
-        _STORE.update(key=key, generation=0,
-                      store=dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout))
+        _STORE.update(key=key, generation=0, store=_new_store(address, port, rank, world_size, timeout))
     store = _STORE["store"]
     store.set_timeout(timeout)
     _STORE["generation"] += 1
@@ -109,9 +108,27 @@ def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta) -
 def make_default_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
     """``init_process_group`` through :func:`_rendezvous_store` (the default group is then
     polyparallel's to destroy)."""
+    store = _rendezvous_store(rank, world_size, timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            store=_rendezvous_store(rank, world_size, timeout))
+                            **({"store": store} if store is not None else {}))
     _WORLD["group"] = dist.group.WORLD
+
+
+def _new_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store of :func:`_rendezvous_store`: rank 0 serves it, the others connect.
+    When ``MASTER_ADDR`` is a loopback address (one host: the ``polyparallel.launch`` workers, a
+    single-node launch) rank 0 serves it on loopback only, where ``TCPStore`` would listen on
+    every interface; on a port it cannot bind so, torch's own server."""
+    from .channel_auth import is_loopback, loopback_store
+
+    options: dict[str, Any] = {"world_size": world_size, "timeout": timeout,
+                               "use_libuv": os.environ.get("USE_LIBUV", "1") == "1"}
+    if rank == 0 and is_loopback(host):
+        try:
+            return loopback_store(port, host, wait_for_workers=False, **options)
+        except OSError:  # the port is held by another store torch shares in this process: torch's own way
+            pass
+    return dist.TCPStore(host, port, is_master=rank == 0, wait_for_workers=False, **options)
 
 
 def use_default_group() -> None:

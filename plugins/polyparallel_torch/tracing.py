@@ -2,9 +2,9 @@
 exchanged through the rendezvous store, which still works when the process group is stuck.
 
 Each runtime of a world larger than one starts a :class:`SideChannel`: a daemon thread that polls
-one counter in the default group's store (``store.add(key, 0)``, 5 times a second: one small
+one request key in the store (a ``compare_set`` that never waits, 5 times a second: one small
 request, no work on the training thread) under a prefix of its own. A rank whose collective times
-out (:meth:`SideChannel.collect`) bumps the counter and publishes its own state; every rank's
+out (:meth:`SideChannel.collect`) posts the next request and publishes its own state; every rank's
 thread then publishes its latest trace entries (:mod:`polyparallel._trace`) and the Python stack
 of the thread that runs its collectives (``sys._current_frames``), which it can do while that
 thread is blocked in a collective (the backend releases the GIL while it waits) or busy in
@@ -15,6 +15,10 @@ last state marked ``exited``; a rank that never answers is named as such. A late
 same process (a new runtime after every earlier one closed) replaces that state with a live one
 at once and ignores the requests made before it.
 
+Every value is signed with a key rank 0 hands to its peers over the process group, and checked
+when read (:mod:`.channel_auth`): what others write to the store is ignored and reported in the
+next hang report, never believed.
+
 Nothing of this runs on the hot path: recording is the ring buffer's job; the store is touched by
 the thread only, and by a failing rank.
 """
@@ -22,17 +26,19 @@ the thread only, and by a failing rank.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 import threading
 import time
 import traceback
+import warnings
 from typing import Any
 
 from polyparallel import _trace
 from polyparallel._errors import exception_summary
 from polyparallel._trace_report import describe_group, location
+
+from . import channel_auth
 
 __all__ = ["SideChannel", "start", "release", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
 
@@ -49,16 +55,27 @@ def _stack_of(ident: int | None) -> str | None:
     return "".join(traceback.format_list(traceback.extract_stack(frame)[-STACK_FRAMES:]))
 
 
-class SideChannel:
-    """One runtime's channel: ``store`` (already prefixed), this ``rank``, the process's recorder."""
+_MISSING = b"\0polyparallel: no such key"
+"""What :meth:`SideChannel._read` gets for a missing key (``compare_set`` as a read that never waits)."""
+MAX_REJECTED = 8
+"""Rejected values whose reason a channel keeps (it counts them all)."""
 
-    def __init__(self, store: Any, rank: int, recorder: _trace.Recorder, poll_s: float = POLL_S):
+
+class SideChannel:
+    """One runtime's channel: ``store`` (already prefixed), this ``rank``, the process's recorder,
+    and the job's ``key`` (:mod:`.channel_auth`: every value written is signed with it, every value
+    read is checked, and one that fails is ignored and counted in :attr:`rejected`)."""
+
+    def __init__(self, store: Any, rank: int, recorder: _trace.Recorder, poll_s: float = POLL_S,
+                 key: bytes | None = None):
         self.store, self.rank, self.recorder, self.poll_s = store, rank, recorder, poll_s
-        # The prefix changes only per torchrun restart: an earlier channel of this process (an
-        # earlier runtime, closed) may have left the request counter up and this rank's state
-        # marked ``exited``. Requests made before this channel are not for it, and a fresh state
-        # says the rank is alive (a peer's collect would otherwise report it as exited).
-        self._seen = int(store.add("request", 0))
+        self.key = key if key is not None else os.urandom(channel_auth.KEY_BYTES)
+        self.rejected: list[str] = []
+        self.rejected_count = 0
+        # An earlier channel of this process (an earlier runtime, closed) may have left a request
+        # and this rank's state marked ``exited`` under the same prefix. Requests made before this
+        # channel are not for it, and a fresh state says the rank is alive.
+        self._seen = self._request_gen() or 0
         self._dead = False
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one publication at a time (thread and failing rank)
@@ -66,15 +83,52 @@ class SideChannel:
         self._thread = threading.Thread(target=self._loop, name="polyparallel-trace", daemon=True)
         self._thread.start()
 
+    # -- reading and checking ----------------------------------------------------------------------
+    def _read(self, name: str) -> bytes | None:
+        """The raw value of ``name``, or ``None`` when there is none (never waits)."""
+        raw = self.store.compare_set(name, _MISSING, _MISSING)
+        return None if raw == _MISSING else raw
+
+    def _reject(self, why: str) -> None:
+        self.rejected_count += 1
+        if len(self.rejected) < MAX_REJECTED and why not in self.rejected:
+            self.rejected.append(why)
+        if self.rejected_count == 1:
+            warnings.warn(f"polyparallel's side channel (hang reports) on rank {self.rank} ignored a value in its "
+                          f"store: {why}. Something other than this job's ranks writes to the store (see the "
+                          "operations guide on hangs).", RuntimeWarning, stacklevel=2)
+
+    def _checked(self, name: str, raw: bytes | None, problem: Any, *args: Any) -> Any:
+        if raw is None:
+            return None
+        value, why = channel_auth.unseal(self.key, name, raw)
+        if why is None:
+            why = problem(value, *args)
+            why = None if why is None else f"{name}: {why}"
+        if why is not None:
+            self._reject(why)
+            return None
+        return value
+
+    def _request_gen(self) -> int | None:
+        """The generation of the latest valid request, ``None`` when there is none."""
+        request = self._checked("request", self._read("request"), channel_auth.request_problem)
+        return None if request is None else int(request["gen"])
+
+    # -- the thread --------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                generation = int(self.store.add("request", 0))
-                if generation > self._seen:
-                    self.publish(generation)
+                generation = self._request_gen()
             except Exception:  # the store is gone (rank 0 exited): nobody can ask any more
                 self._dead = True
                 return
+            if generation is not None and generation > self._seen:
+                try:
+                    self.publish(generation)
+                except Exception:
+                    self._dead = True
+                    return
 
     def publish(self, generation: int, exited: bool = False, stack: bool = True, fresh: bool = False) -> None:
         """Write this rank's state (latest entries, stack) for request ``generation`` (``fresh``:
@@ -84,29 +138,55 @@ class SideChannel:
             state = {"rank": self.rank, "gen": generation, "time": time.time(), "exited": exited,
                      "entries": self.recorder.last(8),
                      "stack": _stack_of(self.recorder.thread) if stack and not exited else None}
-            self.store.set(f"state/{self.rank}", json.dumps(state))
+            name = f"state/{self.rank}"
+            self.store.set(name, channel_auth.seal(self.key, name, state))
         if generation and not exited and not fresh:  # a peer timed out: this rank may be killed next, so write now
             self.recorder.dump("a peer's collective timed out")
 
+    def _ask(self) -> int:
+        """Post a request one generation above every earlier one (a compare-and-set, so two ranks
+        that ask at once both get an answer); returns its generation."""
+        request = b""
+        for _ in range(20):
+            raw = self._read("request")
+            current = self._checked("request", raw, channel_auth.request_problem)
+            generation = max(self._seen, 0 if current is None else int(current["gen"])) + 1
+            request = channel_auth.seal(self.key, "request", {"gen": generation, "rank": self.rank})
+            if self.store.compare_set("request", b"" if raw is None else raw, request) == request:
+                return generation
+        self.store.set("request", request)  # contended or tampered with all along: post it anyway
+        return generation
+
     def collect(self, ranks: list[int], wait_s: float) -> dict[int, dict[str, Any] | None]:
         """Ask every rank for its state and wait up to ``wait_s`` for the answers of ``ranks``
-        (``None`` for a rank that did not answer)."""
-        generation = int(self.store.add("request", 1))
+        (``None`` for a rank that did not answer, or whose answer is not signed with the job's key)."""
+        generation = self._ask()
         self.publish(generation, stack=False)  # this rank's own stack is the error's traceback
         states: dict[int, dict[str, Any] | None] = dict.fromkeys(ranks)
         deadline = time.monotonic() + wait_s
+        reposted = time.monotonic()
         while True:
             for rank in ranks:
                 if states[rank] is not None:
                     continue
-                key = f"state/{rank}"
-                if self.store.check([key]):
-                    state = json.loads(self.store.get(key))
-                    if state["gen"] >= generation or state.get("exited"):
-                        states[rank] = state
+                name = f"state/{rank}"
+                state = self._checked(name, self._read(name), channel_auth.state_problem, rank)
+                if state is not None and (state["gen"] >= generation or state["exited"]):
+                    states[rank] = state
             if all(s is not None for s in states.values()) or time.monotonic() > deadline:
                 return states
+            if time.monotonic() - reposted > 0.5 and (self._request_gen() or 0) < generation:
+                self._ask()  # the request was overwritten (by something that does not hold the key)
+                reposted = time.monotonic()
             time.sleep(0.05)
+
+    def rejected_note(self) -> str:
+        """A line for a report when values were rejected (``""`` when none were)."""
+        if not self.rejected_count:
+            return ""
+        return (f"The side channel ignored {self.rejected_count} value(s) in its store that this job's ranks did "
+                f"not write ({'; '.join(self.rejected)}): something else can write to the store (see the "
+                "operations guide on hangs: keep the job's stores on loopback or a trusted network).")
 
     def close(self) -> None:
         """Stop the thread and leave a last state marked ``exited`` (best effort)."""
@@ -144,18 +224,28 @@ def _own_store() -> Any:
 
 
 def serve_store() -> tuple[Any, str]:
-    """A store for the workers' side channels, served by the launcher (it outlives the ranks):
-    ``(store, "HOST:PORT")``; keep the store object alive while the workers run."""
+    """A store for the workers' side channels, served by the launcher (it outlives the ranks) on
+    loopback only: ``(store, "HOST:PORT")``; keep the store object alive while the workers run."""
+    store = channel_auth.loopback_store(wait_for_workers=False)
+    return store, f"127.0.0.1:{store.port}"
+
+
+def _share_key(runtime: Any) -> bytes:
+    """The channel's key: drawn by rank 0 and handed to every rank over the default process group
+    (a broadcast every rank of the world makes here), so it never goes through a store."""
+    import torch
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return store, f"127.0.0.1:{store.port}"
+    token = torch.frombuffer(bytearray(os.urandom(channel_auth.KEY_BYTES)), dtype=torch.uint8).to(runtime.device)
+    with runtime.collective("share the hang reports' key", "world", record=False):
+        dist.broadcast(token, src=0)
+    return bytes(token.cpu().tolist())
 
 
 # One channel per process, shared by its runtimes (refcounted): a peer still working in another
 # runtime (another Strategy timeout or topology) must answer too, and its entries are the
 # process's anyway (one process is one rank).
-_SHARED: dict[str, Any] = {"channel": None, "users": 0}
+_SHARED: dict[str, Any] = {"channel": None, "users": 0, "key": None}
 
 
 def start(runtime: Any) -> SideChannel | None:
@@ -169,6 +259,9 @@ def start(runtime: Any) -> SideChannel | None:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
+        # First: every rank makes this broadcast (once per process), whatever store it finds. Later
+        # channels of the process keep the key, so they read what earlier ones left.
+        key = _SHARED["key"] = _SHARED["key"] or _share_key(runtime)
         store = _own_store()
         if store is None:
             try:
@@ -177,7 +270,7 @@ def start(runtime: Any) -> SideChannel | None:
                 return None
         # Per torchrun restart: the agent's store outlives the workers.
         prefix = f"polyparallel/trace/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        _SHARED["channel"] = SideChannel(dist.PrefixStore(prefix, store), runtime.rank, recorder)
+        _SHARED["channel"] = SideChannel(dist.PrefixStore(prefix, store), runtime.rank, recorder, key=key)
     _SHARED["users"] += 1
     return _SHARED["channel"]
 
@@ -205,7 +298,8 @@ def hang_report(runtime: Any, axis: str) -> tuple[str, str]:
     except Exception as exc:  # the store failed too: say so rather than hide the timeout
         return "", f"\nNo report of the other ranks: the rendezvous store failed too ({exception_summary(exc, first_line=False)})."
     summary, details = describe_group(states, runtime.rank, wait_s)
-    return summary, "".join("\n" + line for line in details)
+    note = channel.rejected_note()
+    return summary, "".join("\n" + line for line in [*details, *([note] if note else [])])
 
 
 def where_of(entry: _trace.Entry | None) -> str:

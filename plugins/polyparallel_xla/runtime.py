@@ -31,8 +31,8 @@ After a failure the runtime is broken and refuses every later operation.
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,33 +53,78 @@ def _sync() -> None:
     torch_xla.sync()
 
 
+MAX_ENTRY = 16 * 1024 * 1024
+"""The largest host-check entry a rank reads (bytes): a descriptor and one flag per parameter."""
+
+
+def _entry_problem(value: Any) -> str | None:
+    """Why a decoded entry is not ``[[operation, detail, refusal or null], extra]`` (``extra``:
+    ``null`` or a list of booleans, integers and strings), or ``None``."""
+    if not isinstance(value, list) or len(value) != 2:
+        return "an entry is [descriptor, extra]"
+    descriptor, extra = value
+    if (not isinstance(descriptor, list) or len(descriptor) != 3 or not isinstance(descriptor[0], str)
+            or not isinstance(descriptor[1], str) or not isinstance(descriptor[2], (str, type(None)))):
+        return "a descriptor is [operation, detail, refusal or null] (texts)"
+    if extra is not None and (not isinstance(extra, list)
+                              or not all(isinstance(x, (bool, int, str)) for x in extra)):
+        return "the extra value is null or a list of booleans, integers and texts"
+    return None
+
+
 class HostChannel:
     """Bounded host-side exchange of small descriptors between the ranks of a group.
 
     One key per (axis, group, sequence number, rank) in a ``torch.distributed.Store``. A rank
     writes its own entry, waits (bounded) for its group's, and deletes its previous entry once
     every peer has written the next one (a peer that wrote entry ``s + 1`` has read entry ``s``).
+
+    Entries are JSON (``[[operation, detail, refusal], extra]``), checked when read: the store of
+    a multi-process job is a ``TCPStore`` anyone who reaches ``MASTER_PORT`` can write to, so a
+    value of another shape is refused (:class:`polyparallel.CollectiveError` naming the rank and
+    the key), never executed or trusted.
     """
 
     def __init__(self, store: Any, timeout: float):
         self.store = store
         self.timeout = float(timeout)
 
-    def exchange(self, tag: str, seq: int, rank: int, ranks: Sequence[int], value: Any) -> dict[int, Any] | list[int]:
-        """Publish ``value`` under ``tag``/``seq`` and return every rank's value by rank, or the
-        ranks whose value did not arrive within the timeout."""
+    def exchange(self, tag: str, seq: int, rank: int, ranks: Sequence[int],
+                 value: tuple[tuple[str, str, str | None], list[Any] | None]) -> dict[int, Any] | list[int]:
+        """Publish ``value`` (a descriptor ``(operation, detail, refusal)`` and a list or ``None``)
+        under ``tag``/``seq`` and return every rank's value by rank (the descriptor as a tuple), or
+        the ranks whose value did not arrive within the timeout."""
         import datetime
 
-        self.store.set(f"{tag}/{seq}/{rank}", pickle.dumps(value))
+        descriptor, extra = value
+        self.store.set(f"{tag}/{seq}/{rank}", json.dumps([list(descriptor), None if extra is None else list(extra)]))
         keys = [f"{tag}/{seq}/{r}" for r in ranks]
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
         except Exception:  # the store raises a timeout error whose type differs between torch releases
             return [r for r in ranks if not self.store.check([f"{tag}/{seq}/{r}"])]
-        values = {r: pickle.loads(self.store.get(k)) for r, k in zip(ranks, keys)}
+        values = {r: self._read(k, r, rank) for r, k in zip(ranks, keys)}
         if seq > 1:
             self.store.delete_key(f"{tag}/{seq - 1}/{rank}")
         return values
+
+    def _read(self, key: str, writer: int, me: int) -> tuple[tuple[str, str, str | None], list[Any] | None]:
+        raw = self.store.get(key)
+        problem = f"{len(raw)} bytes (at most {MAX_ENTRY})" if len(raw) > MAX_ENTRY else None
+        if problem is None:
+            try:
+                value = json.loads(raw)
+                problem = _entry_problem(value)
+            except (ValueError, UnicodeDecodeError) as exc:
+                problem = f"not JSON ({type(exc).__name__})"
+        if problem is not None:
+            raise pp.CollectiveError(
+                f"the host check on rank {me} read a value for rank {writer} ({key!r}) that polyparallel did not "
+                f"write: {problem}. Something other than this job's replicas writes to the job's store "
+                "(MASTER_ADDR:MASTER_PORT): keep it on loopback or a trusted network. The operation was not run.",
+                operation="host check", axis=key.split("/")[0], rank=me,
+            )
+        return tuple(value[0]), value[1]
 
 
 def _make_channel(session: pp.Session) -> HostChannel:
@@ -99,9 +144,37 @@ def _make_channel(session: pp.Session) -> HostChannel:
         )
     import datetime
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=xr.process_count(),
-                          is_master=xr.process_index() == 0, timeout=datetime.timedelta(seconds=timeout))
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    master = xr.process_index() == 0
+    # On one host, the store listens on loopback only (a TCPStore listens on every interface
+    # unless it is handed a bound socket).
+    listen = _loopback_socket(host, port) if master else None
+    store = dist.TCPStore(host, port, world_size=xr.process_count(), is_master=master,
+                          timeout=datetime.timedelta(seconds=timeout),
+                          **({"master_listen_fd": listen.detach()} if listen is not None else {}))
     return HostChannel(store, timeout)
+
+
+def _loopback_socket(host: str, port: int) -> Any:
+    """A socket listening on ``host:port`` when ``host`` is a loopback address, else ``None``."""
+    import ipaddress
+    import socket
+
+    address = "127.0.0.1" if host == "localhost" else host.strip("[]")
+    try:
+        if not ipaddress.ip_address(address).is_loopback:
+            return None
+    except ValueError:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def runtime_key(session: pp.Session) -> tuple[Any, ...]:

@@ -107,6 +107,15 @@ def test_bad_plan_input_is_refused_before_anything_runs(invoke, args, message):
     assert result.advisor.profiled == []
 
 
+def test_no_accepted_topology_exits_non_zero_after_listing_the_refusals(invoke):
+    # every candidate pipelines (pinned), and the hand advisor refuses pipelines
+    for extra in ([], ["--json"]):
+        result = invoke("plan", "--model", "any:thing", "--world", "4", "--batch", "8", "--pipeline", "2", *extra)
+        assert result.exit_code == 1, result.output
+        assert "no pipelines by hand" in result.output
+        assert "no topology of 4 ranks is accepted for --model any:thing" in result.output
+
+
 def test_no_advisor_installed(manager, monkeypatch):
     monkeypatch.setattr(cli_module, "get_plugin_manager", lambda: manager)
     result = CliRunner().invoke(cli_module.cli, ["plan", "--model", "a:b", "--world", "2", "--batch", "2"])

@@ -105,6 +105,26 @@ def test_trace_refuses_what_is_not_a_trace_directory(tmp_path):
     assert result.exit_code != 0 and "no trace of rank(s) [5]" in result.output
 
 
+@pytest.mark.parametrize(("lines", "message"), [
+    (['{"rank": 0}', '{"foo": 1}'], "line 2: a trace entry needs 'operation'"),
+    (['{"rank": 0}', '{"operation": "x", "axis": 3, "state": "done", "t0": 0}'], "line 2: the trace entry's 'axis' is int"),
+    (['{"rank": 0}', '[1, 2]'], "line 2: a trace entry is a JSON object, not list"),
+    (['[1]'], "line 1: the header is a JSON object, not list"),
+])
+def test_trace_names_the_file_and_line_of_a_record_of_the_wrong_shape(tmp_path, lines, message):
+    (tmp_path / "rank0.jsonl").write_text("\n".join(lines) + "\n")
+    result = CliRunner().invoke(cli, ["trace", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert f"{tmp_path / 'rank0.jsonl'} is not a trace file (JSON lines): {message}" in result.output, result.output
+
+
+def test_trace_names_a_binary_file(tmp_path):
+    (tmp_path / "rank0.jsonl").write_bytes(bytes(range(256)) * 4)
+    result = CliRunner().invoke(cli, ["trace", str(tmp_path)])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    assert f"{tmp_path / 'rank0.jsonl'} is not a trace file (JSON lines): it is not UTF-8 text" in result.output
+
+
 @pytest.mark.parametrize("bad", ["-1"])
 def test_trace_refuses_a_negative_row_count(tmp_path, bad):
     _write(tmp_path, 0, [])

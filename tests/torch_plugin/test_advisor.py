@@ -178,6 +178,89 @@ def test_parameters_of_the_root_itself_are_counted():
     assert "pipeline=2 needs an nn.Sequential" in profile.refuse(pp.Topology(pipeline=2), 0)
 
 
+def encoder() -> dict:
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    return {"model": torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False),
+            "inputs": lambda batch, seq: (torch.randn(batch, seq, 32), torch.randn(batch, seq, 32))}
+
+
+def _reference_flops(factory, seq: int) -> float:
+    """FlopCounterMode's own total for one sample's forward and backward (the advisor's loss)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        made = factory()
+        x, y = made["inputs"](1, seq)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        torch.nn.functional.mse_loss(made["model"](x), y).backward()
+    return float(counter.get_total_flops())
+
+
+def test_layers_in_a_module_list_count_their_compute():
+    # nn.TransformerEncoder holds its layers in an nn.ModuleList, whose forward never runs
+    profile = TorchAdvisor().profile(f"{__name__}:encoder", 4, 8)
+    assert profile is not None
+    total = sum(layer.flops for layer in profile.layers)
+    assert total > 0 and total == _reference_flops(encoder, 8), [(x.name, x.flops) for x in profile.layers]
+    assert profile.layers[0].name == "layers" and profile.layers[0].flops == total
+
+
+class OwnMatmul(torch.nn.Module):
+    """A root that computes in its own forward, besides its child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(16, 16)
+        self.proj = torch.nn.Parameter(torch.ones(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) @ self.proj
+
+
+def own_matmul() -> dict:
+    return {"model": OwnMatmul(), "inputs": lambda batch, seq: (torch.randn(batch, 16), torch.randn(batch, 16))}
+
+
+def test_flops_in_the_root_s_own_forward_are_counted():
+    profile = TorchAdvisor().profile(f"{__name__}:own_matmul", 4, None)
+    assert profile is not None
+    by_name = {layer.name: layer.flops for layer in profile.layers}
+    assert sum(by_name.values()) == _reference_flops(own_matmul, 1), by_name
+    # the root's matmul (forward, and the gradients of its input and of proj) is the root's own layer
+    assert by_name["OwnMatmul (own parameters and computation)"] == 3 * 2 * 16 * 16, by_name
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("json:loads", "--model json:loads: calling the factory failed: TypeError: loads() missing 1 required positional"),
+    ("no_such_module_here:f", "--model no_such_module_here:f: cannot import 'no_such_module_here'"),
+    ("json", "--model must be MODULE:FACTORY"),
+    ("json:dumps_nothing", "--model json:dumps_nothing: 'json' has no callable 'dumps_nothing'"),
+])
+def test_a_bad_model_is_a_usage_error_naming_the_option(spec, message):
+    from click.testing import CliRunner
+
+    from polyparallel.cli import cli
+
+    result = CliRunner().invoke(cli, ["plan", "--model", spec, "--world", "2", "--batch", "4"])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exception, result.output)
+    assert message in result.output, result.output
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+def test_bench_comm_refuses_a_timeout_that_is_not_a_positive_number_of_seconds(timeout):
+    from click.testing import CliRunner
+
+    from polyparallel.cli import cli
+
+    result = CliRunner().invoke(cli, ["bench-comm", "--world", "2", "--timeout", timeout])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exception, result.output)
+    assert "Invalid value for '--timeout': expected a positive, finite number of seconds" in result.output
+    result = CliRunner().invoke(cli, ["plan", "--model", MLP, "--world", "2", "--batch", "4", "--measure", "1",
+                                      "--timeout", timeout])
+    assert result.exit_code == 2 and "'--timeout'" in result.output, result.output
+
+
 def _bench_worker(strategy: pp.Strategy) -> dict:
     from polyparallel import _trace
     from polyparallel_torch.advisor import bench_rank

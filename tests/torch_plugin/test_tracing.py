@@ -131,28 +131,31 @@ def test_a_later_runtime_reports_a_live_rank_as_live_not_as_the_earlier_runtime_
 
 
 def test_a_new_channel_ignores_earlier_requests_and_replaces_an_earlier_exited_state(tmp_path):
-    import json
-
     import torch.distributed as dist
 
+    from polyparallel_torch.channel_auth import seal, unseal
     from polyparallel_torch.tracing import SideChannel
 
+    key = os.urandom(32)
+    state_of = lambda: unseal(key, "state/1", store.get("state/1"))[0]  # noqa: E731
     store = dist.HashStore()  # what an earlier channel of this process left under the same prefix
-    store.add("request", 3)
-    store.set("state/1", json.dumps({"rank": 1, "gen": 3, "exited": True, "entries": []}))
+    store.set("request", seal(key, "request", {"gen": 3, "rank": 0}))
+    store.set("state/1", seal(key, "state/1", {"rank": 1, "gen": 3, "exited": True, "entries": [], "time": 0.0,
+                                               "stack": None}))
     recorder = _trace.Recorder()
     recorder.trace_dir = str(tmp_path)
-    channel = SideChannel(store, 1, recorder, poll_s=0.02)
+    channel = SideChannel(store, 1, recorder, poll_s=0.02, key=key)
     try:
         time.sleep(0.2)  # several polls: request 3 is not for this channel
-        state = json.loads(store.get("state/1"))
+        state = state_of()
         assert state["exited"] is False and state["gen"] == 3, state
         assert list(tmp_path.iterdir()) == [], "no trace written for an earlier runtime's request"
-        store.add("request", 1)  # a new request is answered
+        store.set("request", seal(key, "request", {"gen": 4, "rank": 0}))  # a new request is answered
         deadline = time.monotonic() + 5
-        while json.loads(store.get("state/1"))["gen"] != 4 and time.monotonic() < deadline:
+        while state_of()["gen"] != 4 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert json.loads(store.get("state/1"))["gen"] == 4
+        assert state_of()["gen"] == 4
+        assert channel.rejected_count == 0, channel.rejected
     finally:
         channel.close()
 

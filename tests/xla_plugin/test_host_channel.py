@@ -1,0 +1,58 @@
+"""The XLA runtime's host checks exchange JSON, checked when read: a value in the store that
+polyparallel did not write (a pickle, garbage, another shape) is refused with a clear error, never
+unpickled. Needs torch only (runs in the default environment and in the XLA lane)."""
+
+import pickle
+import threading
+
+import pytest
+import torch.distributed as dist
+
+import polyparallel as pp
+from polyparallel_xla.runtime import HostChannel
+
+
+class _Boom:
+    def __reduce__(self):
+        return (exec, ("import polyparallel_xla; polyparallel_xla.PWNED = True",))
+
+
+def _pair(store, values):
+    channel = HostChannel(store, timeout=5)
+    out = {}
+
+    def run(rank):
+        out[rank] = channel.exchange("data/0", 1, rank, [0, 1], values[rank])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_descriptors_and_extras_round_trip_as_tuples_and_lists():
+    values = {0: (("sync_grads", "mean abc", None), [True, False]), 1: (("sync_grads", "mean abc", None), [False, True])}
+    out = _pair(dist.HashStore(), values)
+    assert out[0] == out[1] == {0: (("sync_grads", "mean abc", None), [True, False]),
+                                1: (("sync_grads", "mean abc", None), [False, True])}
+    assert out[0][1][0] == ("sync_grads", "mean abc", None)  # compared with a rank's own tuple
+
+
+@pytest.mark.parametrize("raw", [
+    pickle.dumps((("reduce_metrics", "", None), _Boom())),  # what main unpickled: code run in the rank
+    b"\xff\xfe not json",
+    b'{"operation": "reduce_metrics"}',
+    b'[["reduce_metrics", 3, null], null]',
+    b'[["reduce_metrics", "", null], {"a": 1}]',
+])
+def test_a_value_polyparallel_did_not_write_is_refused_not_run(raw):
+    import polyparallel_xla
+
+    store = dist.HashStore()
+    store.set("data/0/1/1", raw)  # rank 1's entry, written by someone else
+    channel = HostChannel(store, timeout=5)
+    with pytest.raises(pp.CollectiveError, match=r"read a value for rank 1 \('data/0/1/1'\) that polyparallel did not"):
+        channel.exchange("data/0", 1, 0, [0, 1], (("reduce_metrics", "", None), None))
+    assert not getattr(polyparallel_xla, "PWNED", False)
