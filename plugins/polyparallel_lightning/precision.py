@@ -109,6 +109,14 @@ def reconcile(policy: pp.PrecisionPolicy | None, plugin: Any, namespace: str, de
 def reconcile_accumulation(strategy: pp.Strategy, trainer: Any) -> None:
     """Set ``trainer.accumulate_grad_batches`` from ``Strategy(accumulate=)``, or refuse another value."""
     wanted, given = strategy.accumulate, getattr(trainer, "accumulate_grad_batches", 1)
+    scheduler = next((cb for cb in getattr(trainer, "callbacks", []) or []
+                      if type(cb).__name__ == "GradientAccumulationScheduler"), None)
+    if scheduler is not None and wanted > 1:
+        raise pp.TopologyError(
+            f"GradientAccumulationScheduler({getattr(scheduler, 'scheduling', '')}) contradicts "
+            f"Strategy(accumulate={wanted}): it would change accumulate_grad_batches during the fit, while the "
+            "Strategy's micro-batches are 1/accumulate of each rank's batch. Use one of them: the scheduler with "
+            "Strategy(accumulate=1), or the Strategy alone.")
     if given == wanted:
         return
     if given == 1:

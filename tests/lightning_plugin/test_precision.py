@@ -209,3 +209,17 @@ def test_fp16_mixed_at_data_2_scales_the_loss_and_trains_as_float32_within_fp16_
         assert r["dtypes"] == ["torch.float16"]
         assert r["scale"] is not None and r["scale"] > 1, "dynamic loss scaling (GradScaler) on the CPU"
         assert _max_diff(r["params"], fp32) < FP16_ATOL
+
+
+def test_a_gradient_accumulation_scheduler_is_refused_with_a_strategy_accumulation():
+    import lightning.pytorch as L
+
+    from polyparallel_lightning.precision import reconcile_accumulation
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[L.callbacks.GradientAccumulationScheduler({0: 2})])
+    with pytest.raises(pp.TopologyError, match=r"GradientAccumulationScheduler\(\{0: 2\}\) contradicts "
+                                               r"Strategy\(accumulate=2\)"):
+        reconcile_accumulation(pp.Strategy(accumulate=2), trainer)
+    reconcile_accumulation(pp.Strategy(), trainer)  # with accumulate=1 the scheduler decides, as in Lightning
