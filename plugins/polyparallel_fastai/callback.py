@@ -70,9 +70,11 @@ from fastai.torch_core import find_bs, to_detach
 
 import polyparallel as pp
 
+from . import accumulation as _accumulation
 from . import everyday as _everyday
 from . import files as _files
 from . import metrics as _metrics
+from . import precision as _precision
 from . import surface as _surface
 from .data import is_fastai_loader, local_to_detach
 from .placement import Placement
@@ -249,11 +251,16 @@ class ParallelCallback(Callback):
         if _is_ddp(learn.model):
             raise TypeError("the fastai adapter wraps the model itself (strategy.wrap_model); the Learner's model is "
                             "already DistributedDataParallel: give the Learner the bare module.")
+        # Strategy(accumulate=): fastai's GradientAccumulation (before adjust, which makes n_acc global).
+        state.accumulation = _accumulation.apply(learn, self.strategy, self.session.topology.size("data"))
         state.adjustments = _everyday.adjust(learn, self.strategy, self.session)
         _everyday.warn_batchnorm(learn.model, self.session)
         state.inner = learn.model
         state.placement = Placement(learn.model)
-        learn.model = self.strategy.wrap_model(learn.model)
+        # fastai's MixedPrecision applies Strategy(precision=) (.precision): not the torch runtime too.
+        own = {"precision": None} if self.session.runtime == "torch" else {}
+        learn.model = self.strategy.wrap_model(learn.model, **own)
+        _precision.apply(learn, self.strategy)  # Strategy(precision=) as fastai's MixedPrecision
         # A runtime that moves the model to its device (XLA) may give it new Parameter objects:
         # the optimizer fastai made before this event must step those.
         state.placement.moved(getattr(learn, "opt", None))
@@ -270,6 +277,15 @@ class ParallelCallback(Callback):
         state = self._state
         state.losses, state.sizes = [], []
         state.smooth_start = (smooth.count, smooth.val.clone()) if smooth is not None else None
+
+    def before_batch(self) -> None:
+        """Under ``Strategy(accumulate=)`` and DDP: the gradient all-reduce only in the backward of
+        a step's last micro-batch (one reduction per optimizer step)."""
+        state = self._state
+        if state.accumulation is not None and state.reduces_in_backward and self.training:
+            from polyparallel_torch.accumulation import set_gradient_sync
+
+            set_gradient_sync(self.learn.model, _accumulation.last_of_step(state.accumulation, self.learn))
 
     def after_loss(self) -> None:
         """With a callback that decides on each batch's loss (LRFinder, TerminateOnNaN): the
@@ -408,6 +424,7 @@ class _FitState:
         self.placement: Placement | None = None
         self.reduces_in_backward = False
         self.adjustments: _everyday.Adjustments | None = None
+        self.accumulation: Any = None  # the GradientAccumulation of Strategy(accumulate=N > 1)
         self.loaders: dict[int, tuple[Any, Any]] = {}
         self.smooth: Any = None
         self.smooth_start: tuple[int, torch.Tensor] | None = None

@@ -78,28 +78,37 @@ class _SetEpoch:
         self.indices.epoch = epoch
 
 
-def per_rank_batch(global_batch: int | None, loader_bs: int | None, data_size: int, what: str) -> int:
-    """The batch size of one data rank: the global one divided over the data axis, else the
-    loader's own (per rank), as for every other loader ``shard_data`` takes."""
+def per_rank_batch(global_batch: int | None, loader_bs: int | None, data_size: int, what: str,
+                   accumulate: int = 1) -> int:
+    """The batch size of one data rank and micro-step: the global one divided over the data axis
+    and the ``accumulate`` micro-batches, else the loader's own (per rank and optimizer step)
+    divided by ``accumulate``, as for every other loader ``shard_data`` takes."""
     if global_batch is not None:
-        if global_batch % data_size:  # the core refuses this first; kept for direct callers
-            raise pp.TopologyError(f"{what}: the global batch size {global_batch} does not divide over data={data_size} "
-                                   f"ranks; use a multiple of {data_size}.")
-        return global_batch // data_size
+        if global_batch % (data_size * accumulate):  # the core refuses this first; kept for direct callers
+            parts = f"data={data_size} ranks" + (f" x accumulate={accumulate}" if accumulate > 1 else "")
+            raise pp.TopologyError(f"{what}: the global batch size {global_batch} does not divide over {parts}; use a "
+                                   f"multiple of {data_size * accumulate}.")
+        return global_batch // (data_size * accumulate)
     if loader_bs is None:
         raise TypeError(f"{what}: the fastai DataLoader has bs=None (its dataset yields whole batches), which cannot be "
                         "sharded by sample. Give it a batch size (bs=) or shard the batches in the dataset with "
                         "polyparallel.shard_indices.")
-    return loader_bs
+    if loader_bs % accumulate:
+        raise pp.TopologyError(f"{what}: the DataLoader's bs={loader_bs} (per rank and optimizer step) does not divide "
+                               f"into accumulate={accumulate} micro-batches; use a multiple of {accumulate}, or "
+                               "Strategy(batch_size=<global>).")
+    return loader_bs // accumulate
 
 
 def shard_fastai_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: pp.Strategy) -> Any:
     """A copy of the fastai loader ``data`` over this rank's shard (see the module docstring).
 
     - batch size: ``policy.batch_size`` is global (each data rank gets ``batch_size // data``);
-      without one, the loader's ``bs`` is per rank;
+      without one, the loader's ``bs`` is per rank; under ``Strategy(accumulate=N)`` either is
+      divided by N (micro-batches, :mod:`.accumulation`);
     - shuffling: ``policy.shuffles(data.shuffle)``, from ``(strategy.seed, epoch)``;
-    - ``drop_last``: only full *global* batches (``length // global batch`` of them), as a single
+    - ``drop_last``: only full *global* batches (``length // global batch`` of them, whole
+      optimizer steps under accumulation), as a single
       process with that batch size would; else every sample of the shard;
     - ``remainder``: ``pad`` / ``drop`` / ``uneven`` as :func:`polyparallel.shard_indices`.
     """
@@ -111,7 +120,8 @@ def shard_fastai_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, s
     length = data.n
     if length is None:
         raise TypeError(f"{what}: the fastai DataLoader has no length (n=None); sharding needs a sized dataset.")
-    bs = per_rank_batch(policy.batch_size, data.bs, data_size, what)
+    steps = strategy.accumulate
+    bs = per_rank_batch(policy.batch_size, data.bs, data_size, what, steps)
     shuffle = policy.shuffles(bool(data.shuffle))
     rank = session.coords["data"]
     shard = pp.shard_length(length, rank, data_size, policy.remainder)
@@ -120,7 +130,7 @@ def shard_fastai_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, s
         # Full global batches of real samples only: the padded tail (remainder="pad") sits at the
         # end of the order, so global batch i is whole iff (i + 1) * global <= samples.
         samples = length if policy.remainder != "drop" else length - length % data_size
-        keep = min(shard, samples // (bs * data_size) * bs)
+        keep = min(shard, samples // (bs * data_size * steps) * bs * steps)
     indices = ShardIndices(length, rank, data_size, strategy.seed, shuffle, policy.remainder, keep)
     # drop_last is applied above (over the global batch), so the copy keeps every index it gets.
     out = data.new(bs=bs, shuffle=False, drop_last=False, n=keep, get_idxs=indices)

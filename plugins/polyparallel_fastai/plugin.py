@@ -19,6 +19,14 @@ __all__: list[str] = []
 CAPABILITIES = pp.Capabilities(
     "fastai", axes={"data"}, runtimes={"torch", "xla"},
     features={"ddp", "metrics_over_data_group", "accum_metrics", "timeouts", "no_accelerate", "cpu"},
+    # Strategy(precision=) as fastai's MixedPrecision on the model's device (polyparallel_fastai.precision).
+    precisions={"32", "bf16-mixed", "fp16-mixed"},
+    precision_reasons={
+        "bf16-true": "fastai has no bfloat16 'true' precision (its ModelToHalf is float16 and casts inputs by hand); "
+                     "use 'bf16-mixed' (learn.to_bf16())",
+        "custom": "fastai's MixedPrecision runs bfloat16 or float16 autocast over float32 parameters only"},
+    # Strategy(accumulate=N): fastai's GradientAccumulation over shard_data's micro-batches.
+    accumulation=True,
 )
 
 

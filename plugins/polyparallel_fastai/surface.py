@@ -142,8 +142,9 @@ _CALLBACK_ENTRIES = [
     _c("fastai.callback.training.BnFreeze", TRAIN),
     _c("fastai.callback.training.ShortEpochCallback", TRAIN, "pct of each rank's batches: of the validation shards "
        "(which may differ by one sample) when short_valid"),
-    _c("fastai.callback.fp16.MixedPrecision", TRAIN, "on CPU fastai's autocast and GradScaler (CUDA ones) do "
-       "nothing, so it trains in float32 as one CPU process does; untested on CUDA"),
+    _c("fastai.callback.fp16.MixedPrecision", TRAIN, "follows Strategy(precision=): 'bf16-mixed'/'fp16-mixed' "
+       "autocast (and scale) on the model's device, CPU too, another mode is refused; with precision=None fastai's "
+       "own, whose CUDA autocast does nothing on CPU (float32); untested on CUDA"),
     _c("fastai.callback.channelslast.ChannelsLast", TRAIN),
     _c("fastai.callback.mixup.MixHandler", RANDOM, "random: each rank draws its own mixing, and partners come from "
        "this rank's share of the batch"),

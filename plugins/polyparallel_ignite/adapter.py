@@ -37,6 +37,7 @@ from torch import nn
 import polyparallel as pp
 
 from . import metrics as _metrics
+from . import precision as _precision
 from . import surface as _surface
 
 __all__ = ["IgniteAdapter", "full_output"]
@@ -127,7 +128,11 @@ class IgniteAdapter:
             if stages is not None or boundaries is not None:
                 raise TypeError("auto_model(stages=/boundaries=) only applies with pipeline > 1; "
                                 f"the topology is {self.session.topology!r}.")
-            # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set.
+            # Strategy(precision=)'s param_dtype, before the wrapper is built over the parameters.
+            _precision.cast_params(model, self.strategy.precision)
+            # DDP keeps its own bucketing (small first bucket) unless GradPolicy.bucket_mb is set. The
+            # adapter's step applies Strategy(precision=) (.precision): not the runtime's hooks too.
+            options.setdefault("precision", None)
             return self.strategy.wrap_model(model, **options)
         if options:
             raise TypeError(f"auto_model() with pipeline > 1 takes stages= or boundaries=; received {sorted(options)}.")
@@ -255,14 +260,41 @@ class IgniteAdapter:
         ``model`` may be an object another plugin owns and bridges to Ignite (:meth:`bridge`): a
         DeepSpeed engine from ``strategy.adapt("deepspeed")`` (``optimizer`` ``None``: the engine
         steps its own).
+
+        ``Strategy(precision=)`` and ``Strategy(accumulate=)`` make the step autocast in the compute
+        dtype, scale the loss (fp16) and accumulate, on the runtime's device
+        (:mod:`polyparallel_ignite.precision`); ``amp_mode=``, ``scaler=`` or
+        ``gradient_accumulation_steps=`` that contradict them are refused, naming both.
         """
         from polyparallel_torch.pipeline import PipelineModel
 
         bridge = self.bridge(model)
+        managed = self.strategy.precision is not None or self.strategy.accumulate > 1
         if bridge is not None:
             engine = bridge.create_trainer(model, loss_fn, self.device, **kwargs)
         elif isinstance(model, PipelineModel):
+            if managed:
+                raise pp.UnsupportedTopologyError(
+                    f"the Ignite adapter does not map Strategy(precision=, accumulate=) onto a pipeline's GPipe step "
+                    f"({self.strategy!r}): use precision=None and accumulate=1 with pipeline > 1.")
             engine = self._pipeline_trainer(model, optimizer, loss_fn, **kwargs)
+        elif managed:
+            from ignite.engine import Engine
+
+            _precision.check_kwargs(self.strategy, kwargs)
+            options = {k: kwargs.pop(k) for k in ("non_blocking", "prepare_batch", "model_transform",
+                                                  "output_transform", "model_fn", "scaler") if k in kwargs}
+            device = torch.device(kwargs.pop("device", self.device))
+            unknown = sorted(set(kwargs) - {"amp_mode", "gradient_accumulation_steps", "deterministic"})
+            if unknown:
+                raise TypeError(f"create_supervised_trainer() got unexpected option(s) {unknown}.")
+            if kwargs.get("deterministic"):
+                raise TypeError("create_supervised_trainer(deterministic=True) builds ignite's DeterministicEngine, "
+                                "which the adapter refuses (see the Ignite surface); leave it out.")
+            update = _precision.training_step(model, optimizer, loss_fn, self.strategy, device, **options)
+            engine = Engine(update)
+            if update.scaler is not None:  # type: ignore[attr-defined]
+                engine.state.scaler = update.scaler  # type: ignore[attr-defined]  # as ignite's scaler=True does
         else:
             from ignite.engine import create_supervised_trainer
 
@@ -293,6 +325,15 @@ class IgniteAdapter:
             from ignite.engine import create_supervised_evaluator
 
             kwargs.setdefault("device", self.device)
+            policy, device = self.strategy.precision, torch.device(kwargs["device"])
+            if policy is not None:
+                forward = kwargs.pop("model_fn", lambda model, x: model(x))
+
+                def model_fn(model: nn.Module, x: Any) -> Any:
+                    with _precision.autocast(policy, device):
+                        return forward(model, _precision.cast_inputs(x, policy))
+
+                kwargs["model_fn"] = model_fn
             transform = kwargs.pop("output_transform", lambda x, y, y_pred: (y_pred, y))
             kwargs["output_transform"] = lambda x, y, y_pred: transform(x, y, full_output(y_pred))
             engine = create_supervised_evaluator(model, metrics=metrics, **kwargs)

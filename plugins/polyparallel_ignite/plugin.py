@@ -22,6 +22,12 @@ CAPABILITIES = pp.Capabilities(
     "ignite", axes={"data", "tensor", "pipeline"}, excludes=({"tensor", "pipeline"},), runtimes={"torch"},
     features={"ddp", "tensor_parallel_plan", "gpipe", "metrics_over_data_group", "timeouts", "idist_parallel"},
     stages=TORCH_CAPABILITIES.stages, stages_with=TORCH_CAPABILITIES.stages_with,
+    # Strategy(precision=) in the adapter's supervised step (polyparallel_ignite.precision).
+    precisions={"32", "bf16-mixed", "bf16-true", "fp16-mixed"},
+    precision_reasons={"custom": "the Ignite adapter maps the presets; another combination (a reduce dtype other "
+                                 "than the parameters', say) needs the torch runtime's gradient communication"},
+    # Strategy(accumulate=N): gradient_accumulation_steps=N over auto_dataloader's micro-batches.
+    accumulation=True,
 )
 
 

@@ -160,7 +160,8 @@ _ENTRY_POINTS = [
              "(ignite.load_checkpoint)"),
     *[_refused(E + n, "entry point", why, instead) for n, why, instead in (
         ("supervised_training_step_amp", "CUDA's automatic mixed precision, and CUDA is not where the adapter is tested",
-         "train in float32 (amp_mode=None), or bfloat16 by hand"),
+         "set Strategy(precision='bf16-mixed' or 'fp16-mixed'): the adapter's create_supervised_trainer autocasts "
+         "(and scales) on the runtime's device"),
         ("supervised_evaluation_step_amp", "CUDA's automatic mixed precision, and CUDA is not where the adapter is "
          "tested", "evaluate in float32 (amp_mode=None)"),
         ("supervised_training_step_apex", NOT_INSTALLED.format(pkg="apex"), "train with amp_mode=None"),

@@ -55,7 +55,8 @@ class DDPMixin(StrategyMixin):
             options["plan"] = self._tensor_plan(model)
         if self._ddp_options:
             options["ddp_kwargs"] = dict(self._ddp_options)
-        return self._pp.wrap_model(model, **options)
+        # Lightning's precision plugin applies Strategy(precision=) (.precision): not the runtime too.
+        return self._pp.wrap_model(model, precision=None, **options)
 
     def configure_ddp(self) -> None:
         """Wrap through polyparallel; Lightning's DDP communication hooks only for a DDP model."""
@@ -80,7 +81,7 @@ class DDPMixin(StrategyMixin):
             # (`sync_states` runs at validation/test/predict start instead); plus the tensor plan.
             # A near copy of Lightning's branch: re-check it against DDPStrategy.setup on upgrades.
             self.accelerator.setup(trainer)  # type: ignore[attr-defined]
-            self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined]
+            self.precision_plugin.convert_module(self.model)
             self.model_to_device()  # type: ignore[attr-defined]
             if self.topology.size("tensor") > 1:
                 self.model = self._wrap(self.model)

@@ -20,6 +20,9 @@ import polyparallel as pp
 from polyparallel import hookimpl
 from polyparallel_torch.capabilities import CAPABILITIES as TORCH_CAPABILITIES  # imports no torch
 
+from .precision import REFUSED as LIGHTNING_REFUSED  # imports no torch nor Lightning
+from .precision import RUNS as LIGHTNING_PRECISIONS
+
 __all__ = ["CAPABILITIES", "adapt"]
 
 
@@ -33,6 +36,10 @@ CAPABILITIES = pp.Capabilities(
               "external_launcher", "sync_dist_over_data", "consolidated_checkpoints", "fsdp2",
               "distributed_checkpoints"},
     stages=TORCH_CAPABILITIES.stages, stages_with=TORCH_CAPABILITIES.stages_with,
+    # Strategy(precision=) as Lightning's precision plugin (polyparallel_lightning.precision).
+    precisions=LIGHTNING_PRECISIONS, precision_reasons=LIGHTNING_REFUSED,
+    # Strategy(accumulate=N) as Trainer(accumulate_grad_batches=N) over the runtime's micro-batches.
+    accumulation=True,
 )
 
 

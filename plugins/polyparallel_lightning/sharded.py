@@ -97,11 +97,12 @@ class ShardedMixin(StrategyMixin):
         ``configure_model`` that parallelises)."""
         self._refuse_layer_sync()
         self.accelerator.setup(trainer)  # type: ignore[attr-defined]
-        self.model = self.precision_plugin.convert_module(self.model)  # type: ignore[attr-defined,has-type]
+        self.model = self.precision_plugin.convert_module(self.model)  # type: ignore[has-type]
         self.model_to_device()  # type: ignore[attr-defined]
         if not is_sharded(self.model):
             options = {"plan": self._tensor_plan(self.model)} if self.topology.size("tensor") > 1 else {}
-            self.model = self._pp.wrap_model(self.model, **options)
+            # Lightning's precision plugin applies Strategy(precision=) (.precision): not the runtime too.
+            self.model = self._pp.wrap_model(self.model, precision=None, **options)
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)  # type: ignore[attr-defined]
         self.setup_precision_plugin()  # type: ignore[attr-defined]
@@ -116,7 +117,7 @@ class ShardedMixin(StrategyMixin):
     # -- steps run through the sharded module's forward -------------------------------------------------
     def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
         module, wrapper = self.lightning_module, self.model  # type: ignore[attr-defined]
-        context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])  # type: ignore[attr-defined]
+        context = getattr(self.precision_plugin, _STEP_CONTEXTS[name])
         with context():
             return _through_forward(wrapper, module, name, *args, **kwargs)
 

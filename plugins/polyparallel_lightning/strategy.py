@@ -40,7 +40,11 @@ decisions, barriers           over the world (every rank must agree to stop or t
 ``set_world_ranks``, ``root_device``, ``distributed_sampler_kwargs``, ``process_group_backend``,
 ``reduce``, ``reduce_boolean_decision``, ``barrier``, ``broadcast``, ``optimizer_step``,
 ``process_dataloader``, ``on_validation_start``/``on_test_start``/``on_predict_start``/``on_predict_end``,
-``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin``,
+``teardown``, ``model``, ``lightning_module``, ``accelerator``, ``precision_plugin`` (its setter,
+which the Trainer's connector calls with the plugin of ``Trainer(precision=)``, is overridden to
+reconcile it with ``Strategy(precision=)``; :mod:`.precision`), ``block_backward_sync`` (overridden:
+the runtime's ``no_sync``), ``Trainer.accumulate_grad_batches``, the precision plugins ``Precision``,
+``MixedPrecision``, ``HalfPrecision`` and their ``precision`` attribute,
 ``cluster_environment``, ``parallel_devices``, ``world_size``/``global_rank``/``local_rank``,
 ``num_processes``/``num_nodes``, ``checkpoint_io``, ``lightning_fabric...reset_seed``, the
 ``LightningEnvironment`` cluster environment, ``trainer.state``; for checkpoints (:mod:`.checkpoint`)
@@ -87,6 +91,7 @@ import polyparallel as pp
 from .checkpoint import CheckpointMixin
 from .environment import environment_class, launched_externally
 from .namespaces import NAMESPACES
+from .precision import check_stage, reconcile, reconcile_accumulation
 
 __all__ = ["StrategyMixin"]
 
@@ -124,12 +129,35 @@ class StrategyMixin(CheckpointMixin):
         self._plan = plan
         self._runtime_cache: Any = None
         self._quieted: Any = None  # the Trainer's data connector whose sampler warning is silenced
+        check_stage(polyparallel_strategy.precision, polyparallel_strategy.shard_policy.stage)
         self._init_lightning(environment_class(namespace)(), timedelta(seconds=polyparallel_strategy.timeout),
                              kwargs)
 
     def _init_lightning(self, environment: Any, timeout: timedelta, kwargs: dict[str, Any]) -> None:
         """Call the Lightning base class's ``__init__`` (each stage's mixin knows its arguments)."""
         raise NotImplementedError
+
+    # -- precision and accumulation (polyparallel_lightning.precision) ---------------------------------
+    @property
+    def precision_plugin(self) -> Any:
+        """Lightning's precision plugin: the one ``Strategy(precision=)`` maps to."""
+        return super().precision_plugin  # type: ignore[misc]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        # The Trainer's connector assigns the plugin of Trainer(precision=)/plugins= while the
+        # Trainer is built: reconciled with the Strategy here, a contradiction refused here.
+        accelerator = getattr(self, "_accelerator", None)
+        device = type(accelerator).__name__.removesuffix("Accelerator").lower() if accelerator is not None else "cpu"
+        self._precision_plugin = reconcile(self._pp.precision, plugin, self._ns.pytorch, device)
+
+    def _reconcile_trainer(self) -> None:
+        """``Trainer(accumulate_grad_batches=)`` reconciled with ``Strategy(accumulate=)`` (at the
+        start of every run, from ``setup_distributed``, before any step)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if trainer is not None:
+            reconcile_accumulation(self._pp, trainer)
 
     # -- what this process is -----------------------------------------------------------------------
     @property
@@ -251,6 +279,7 @@ class StrategyMixin(CheckpointMixin):
     def setup_distributed(self) -> None:
         """Ranks from the cluster environment, then the runtime's groups (not Lightning's
         ``init_process_group``): the strategy's timeout and backend, a mesh over the topology."""
+        self._reconcile_trainer()
         importlib.import_module(f"{self._ns.fabric}.utilities.seed").reset_seed()
         self.set_world_ranks()
         rt = self.runtime  # made inside the launcher's variables (see _launcher_environment)
@@ -333,6 +362,18 @@ class StrategyMixin(CheckpointMixin):
                 module.process_group = group
 
     # -- gradients --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """What Lightning enters for the micro-batches of an accumulation before the step's last:
+        no gradient reduction in their backward (DDP's ``no_sync``, and FSDP2's
+        ``set_requires_gradient_sync(False)``, which Lightning's own strategy leaves out), so
+        each optimizer step reduces once."""
+        from polyparallel_torch import no_sync
+
+        model = self.model  # type: ignore[attr-defined]
+        with no_sync(model) if isinstance(model, nn.Module) else contextlib.nullcontext():
+            yield
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Run the closure (forward, backward), ``strategy.sync_grads(model)``, then Lightning's step
         (gradient clipping and ``on_before_optimizer_step`` see the synchronised gradients)."""
