@@ -404,13 +404,15 @@ def test_a_killed_rank_restarts_from_the_last_committed_checkpoint(tmp_path):
         torch.testing.assert_close(torch.tensor(result[name]), torch.tensor(value), rtol=1e-5, atol=1e-5)
 
 
-def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypatch):
+def test_restarts_get_a_fresh_rendezvous_store_only_while_torchrun_runs(monkeypatch, tmp_path):
     # The elastic test above fails without it (restarted workers read the old attempt's gloo
     # addresses); this checks that the setting does not outlive `polyparallel launch`.
     from torch.distributed import run as torchrun
 
     from polyparallel_torch.launchers.torchrun import launch_script
 
+    (tmp_path / "train.py").write_text("pass\n")  # a script that exists: a missing one is refused first
+    monkeypatch.chdir(tmp_path)
     seen = []
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     monkeypatch.setattr(torchrun, "run", lambda args: seen.append(os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")))
