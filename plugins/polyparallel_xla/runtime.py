@@ -144,37 +144,16 @@ def _make_channel(session: pp.Session) -> HostChannel:
         )
     import datetime
 
+    from polyparallel_torch.channel_auth import is_loopback, loopback_store
+
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     master = xr.process_index() == 0
+    options: dict[str, Any] = {"world_size": xr.process_count(), "timeout": datetime.timedelta(seconds=timeout)}
     # On one host, the store listens on loopback only (a TCPStore listens on every interface
-    # unless it is handed a bound socket).
-    listen = _loopback_socket(host, port) if master else None
-    store = dist.TCPStore(host, port, world_size=xr.process_count(), is_master=master,
-                          timeout=datetime.timedelta(seconds=timeout),
-                          **({"master_listen_fd": listen.detach()} if listen is not None else {}))
-    return HostChannel(store, timeout)
-
-
-def _loopback_socket(host: str, port: int) -> Any:
-    """A socket listening on ``host:port`` when ``host`` is a loopback address, else ``None``."""
-    import ipaddress
-    import socket
-
-    address = "127.0.0.1" if host == "localhost" else host.strip("[]")
-    try:
-        if not ipaddress.ip_address(address).is_loopback:
-            return None
-    except ValueError:
-        return None
-    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((address, port))
-        sock.listen(1024)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    # unless it is handed a bound socket): the torch runtime's loopback_store.
+    if master and is_loopback(host):
+        return HostChannel(loopback_store(port, host, **options), timeout)
+    return HostChannel(dist.TCPStore(host, port, is_master=master, **options), timeout)
 
 
 def runtime_key(session: pp.Session) -> tuple[Any, ...]:

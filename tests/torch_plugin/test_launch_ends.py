@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from .test_launch import _running  # whether a process is alive (not a zombie)
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
 
@@ -18,12 +20,6 @@ def _cli(*args):
     return [sys.executable, "-m", "polyparallel.cli", "launch", *args]
 
 
-def _running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 SLEEPER = textwrap.dedent("""
