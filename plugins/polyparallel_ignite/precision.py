@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 import polyparallel as pp
+from polyparallel_torch.precision import cast_floating
 
 __all__ = ["check_kwargs", "training_step", "autocast", "cast_params"]
 
@@ -74,14 +75,7 @@ def cast_inputs(x: Any, policy: pp.PrecisionPolicy | None) -> Any:
     ``HalfPrecision`` converts inputs; anything else unchanged."""
     if policy is None or policy.mixed or policy.param_dtype in ("float32", "float64"):
         return x
-    dtype = _DTYPES[policy.param_dtype]
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(cast_inputs(v, policy) for v in x)
-    if isinstance(x, dict):
-        return {k: cast_inputs(v, policy) for k, v in x.items()}
-    return x
+    return cast_floating(x, _DTYPES[policy.param_dtype])
 
 
 def check_kwargs(strategy: pp.Strategy, kwargs: dict[str, Any]) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 
 import polyparallel as pp
 
-__all__ = ["REFUSED", "attach_scaler", "check", "check_scaled", "ddp_comm_hook", "fsdp_policy", "grad_scaler", "prepare",
+__all__ = ["REFUSED", "attach_scaler", "cast_floating", "check", "check_scaled", "ddp_comm_hook", "fsdp_policy", "grad_scaler", "prepare",
            "state_bytes"]
 
 #: Why the torch runtime does not run a combination (what :func:`check` says).
@@ -91,15 +91,16 @@ def check(policy: pp.PrecisionPolicy | None, topology: pp.Topology | None = None
             refuse("reduce_bare")
 
 
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors (inside tuples, namedtuples, lists and dicts) in ``dtype``."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_cast_floating(v, dtype) for v in value))
+        return type(value)(*(cast_floating(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
     return value
 
 
@@ -121,12 +122,12 @@ class _Compute:
             context.__enter__()
             self.active.append(context)
             return None
-        return _cast_floating(args, self.compute), _cast_floating(kwargs, self.compute)
+        return cast_floating(args, self.compute), cast_floating(kwargs, self.compute)
 
     def after(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self.autocast and self.active:
             self.active.pop().__exit__(None, None, None)
-        return _cast_floating(output, self.param)
+        return cast_floating(output, self.param)
 
 
 def _install(module: nn.Module, device: torch.device, policy: pp.PrecisionPolicy, autocast: bool) -> None:
