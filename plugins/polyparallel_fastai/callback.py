@@ -258,7 +258,7 @@ class ParallelCallback(Callback):
         state.inner = learn.model
         state.placement = Placement(learn.model)
         # fastai's MixedPrecision applies Strategy(precision=) (.precision): not the torch runtime too.
-        own = {"precision": None} if self.session.runtime == "torch" else {}
+        own = {"precision": None}  # both runtimes (torch, XLA) take precision=None: fastai applies it
         learn.model = self.strategy.wrap_model(learn.model, **own)
         _precision.apply(learn, self.strategy)  # Strategy(precision=) as fastai's MixedPrecision
         # A runtime that moves the model to its device (XLA) may give it new Parameter objects:

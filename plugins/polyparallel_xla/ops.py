@@ -90,14 +90,31 @@ def shard_data(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy: 
 
 
 # -- wrap_model ---------------------------------------------------------------------------------------------
-def wrap_model(model: nn.Module, rt: XlaRuntime, options: dict[str, Any]) -> nn.Module:
-    """``model`` moved to this replica's XLA device, its parameters and buffers broadcast from data
-    rank 0 (replicas start equal, as under DDP). No wrapper: gradients are averaged by
-    ``sync_grads`` (or ``xm.optimizer_step``)."""
-    if options:
-        raise TypeError(f"wrap_model() on the XLA runtime takes no options; received {sorted(options)}. The XLA "
-                        "runtime runs the data axis only (no tensor plan, no pipeline).")
+def wrap_model(model: nn.Module, rt: XlaRuntime, options: dict[str, Any],
+               precision: pp.PrecisionPolicy | None = None) -> nn.Module:
+    """``model`` moved to this replica's XLA device, under ``precision`` (the Strategy's, or
+    ``options["precision"]``: ``None`` leaves the dtypes to an adapter whose framework applies
+    it), its parameters and buffers broadcast from data rank 0 (replicas start equal, as under
+    DDP). No wrapper: gradients are averaged by ``sync_grads`` (or ``xm.optimizer_step``).
+
+    The precision is the torch runtime's (:func:`polyparallel_torch.precision.prepare` at
+    zero=0): ``bf16-mixed`` runs the forward under ``torch.autocast("xla", dtype=torch.bfloat16)``
+    with float32 outputs, ``bf16-true`` casts the module to bfloat16 and its floating inputs at
+    the forward; gradients reduce in the parameters' dtype."""
+    unknown = sorted(set(options) - {"precision"})
+    if unknown:
+        raise TypeError(f"wrap_model() on the XLA runtime takes no options but precision=; received {unknown}. The "
+                        "XLA runtime runs the data axis only (no tensor plan, no pipeline).")
+    if "precision" in options:
+        precision = options["precision"]
+        if not (precision is None or isinstance(precision, pp.PrecisionPolicy)):
+            raise TypeError(f"wrap_model(precision=) takes a PrecisionPolicy or None (the Strategy's precision is the "
+                            f"default). Received: {precision!r}.")
     model.to(rt.device)
+    if precision is not None:
+        from polyparallel_torch.precision import prepare
+
+        model = prepare(model, precision, rt.device, stage=0, data_size=rt.topology.size("data"))
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     rt.check("wrap_model", "data", _digest([f"{t.dtype}{list(t.shape)}" for t in tensors]))
     _broadcast(tensors, rt, "wrap_model")

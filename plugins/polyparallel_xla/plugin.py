@@ -23,6 +23,16 @@ RUNTIME = "xla"
 CAPABILITIES = pp.Capabilities(
     RUNTIME, axes={"data"}, features={"xla_collectives", "mp_device_loader", "host_identity_checks", "timeouts"},
     imports={"torch_xla"}, backends={"xla"}, priority=5,
+    # Strategy(precision=): the torch runtime's mechanism on the XLA device (polyparallel_torch.precision,
+    # from ops.wrap_model): bf16-mixed autocasts forward on "xla", bf16-true casts the parameters.
+    precisions={"32", "bf16-mixed", "bf16-true"},
+    precision_reasons={
+        "fp16-mixed": "float16 needs loss scaling, and the XLA runtime makes no gradient scaler (its sync_grads "
+                      "neither unscales nor skips steps with inf/NaN gradients); TPUs compute in bfloat16, so use "
+                      "'bf16-mixed'",
+        "custom": "the XLA runtime maps the presets '32', 'bf16-mixed' and 'bf16-true' only (gradients reduce in "
+                  "the parameters' dtype)",
+    },
 )
 
 
@@ -78,9 +88,12 @@ def polyparallel_wrap_model(strategy: pp.Strategy, session: pp.Session, model: A
 
     if not isinstance(model, nn.Module):
         return None
+    precision = options.get("precision", strategy.precision)
+    if isinstance(precision, pp.PrecisionPolicy):  # a script outside pp.launch meets the launch's refusal here
+        CAPABILITIES.check_precision(precision)
     from .ops import wrap_model
 
-    return wrap_model(model, _runtime(session), options)
+    return wrap_model(model, _runtime(session), options, strategy.precision)
 
 
 @hookimpl
