@@ -366,7 +366,20 @@ def dumps(value: Any) -> str:
 # -- exact resumption ----------------------------------------------------------------------------------
 def check_loader_resume(path: str, saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
     """Refuse to resume a loader whose samples would differ from the saved run's (exact resumption
-    needs the same global batch, data set, seed and shuffling; the data size may differ)."""
+    needs the same global batch, data set, seed and shuffling; the data size may differ).
+
+    A global batch that differs because ``Strategy(accumulate=)`` changed (the loader's batches
+    are micro-batches of ``batch_size / accumulate``) is refused naming accumulate, old and new;
+    another accumulate with the same micro-batch resumes (the same samples are consumed)."""
+    old, new = saved.get("accumulate"), current.get("accumulate")
+    if saved.get("global_batch") != current.get("global_batch") and old is not None and new is not None and old != new:
+        raise CheckpointError(
+            f"Strategy.load: {path!r} was saved with Strategy(accumulate={old}) (global micro-batch "
+            f"{saved.get('global_batch')}), this run has accumulate={new} (global micro-batch "
+            f"{current.get('global_batch')}): the loader's position counts micro-batches of batch_size / accumulate, "
+            f"so exact resumption would consume other samples than the saved run. Resume with "
+            f"Strategy(accumulate={old}), or keep the micro-batch (batch_size x {new}/{old}), or load without loader= "
+            "to keep only the weights and the epoch.")
     for key in LOADER_MUST_MATCH:
         if saved.get(key) != current.get(key):
             what = {"global_batch": "global batch size", "dataset_len": "data set length", "seed": "Strategy seed",

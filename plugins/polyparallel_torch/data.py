@@ -120,6 +120,7 @@ class ShardedLoader(DataLoader):
     _current: object | None = None  # the iterator that counts (the latest one made)
     _finished_epoch: int | None = None  # the epoch of the last pass that ran to its end
     global_step: int = 0  # batches yielded by every pass since the loader was made (or as restored)
+    accumulate: int = 1  # the Strategy's accumulate: its batches are micro-batches of 1 / accumulate of a step
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         sampler = self.sampler
@@ -161,7 +162,8 @@ class ShardedLoader(DataLoader):
     def state_dict(self) -> dict[str, Any]:
         """The position and what exact resumption needs to agree on: ``epoch``, ``batches``
         (consumed of that epoch), ``global_step``, ``global_batch`` (this rank's batch size x
-        the data size), ``seed``, ``dataset_len``, ``shuffle``, ``remainder`` and ``pinned``.
+        the data size: a global micro-batch under ``Strategy(accumulate=)``), ``accumulate``,
+        ``seed``, ``dataset_len``, ``shuffle``, ``remainder`` and ``pinned``.
         The same on every rank of a data-parallel run that iterates alike."""
         sampler = self.sampler
         assert isinstance(sampler, TopologySampler)
@@ -178,7 +180,7 @@ class ShardedLoader(DataLoader):
         return {"epoch": epoch, "batches": batches, "global_step": self.global_step,
                 "global_batch": self._per_rank() * sampler.data_size, "seed": sampler.seed,
                 "dataset_len": sampler.dataset_len, "shuffle": sampler.shuffle, "remainder": sampler.remainder,
-                "pinned": sampler.pinned}
+                "pinned": sampler.pinned, "accumulate": self.accumulate}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (possibly of another data size): the next pass is
@@ -341,4 +343,6 @@ def shard_loader(data: Any, session: pp.Session, policy: pp.DataPolicy, strategy
     sampler = TopologySampler(length, session.coords["data"], data_size, seed=strategy.seed,
                               shuffle=shuffle, remainder=policy.remainder,
                               agree=pass_check(session, f"{length} samples, batch {batch}") if session.world_size > 1 else None)
-    return ShardedLoader(dataset, batch_size=batch, sampler=sampler, **options)
+    loader = ShardedLoader(dataset, batch_size=batch, sampler=sampler, **options)
+    loader.accumulate = strategy.accumulate
+    return loader

@@ -387,3 +387,19 @@ def test_a_loader_restored_from_a_pinned_run_moves_on_in_a_plain_loop():
         reference.sampler.set_epoch(epoch)
         assert got == _global_batches([reference]), f"pass of epoch {epoch}"
     assert resumed.state_dict()["epoch"] == 4 and resumed.state_dict()["pinned"] is False
+
+
+def test_a_loader_resumed_with_another_accumulate_says_so_before_anything_runs():
+    # batch_size=16: accumulate=2 gives micro-batches of 8 (the position counts those), accumulate=1
+    # batches of 16. The refusal names accumulate, old and new, not only the loader's batch.
+    saved = pp.Strategy(data=1, batch_size=16, accumulate=2).shard_data(TensorDataset(torch.arange(48)))
+    state = saved.state_dict()
+    assert state["accumulate"] == 2 and state["global_batch"] == 8
+    resumed = pp.Strategy(data=1, batch_size=16, accumulate=1).shard_data(TensorDataset(torch.arange(48)))
+    with pytest.raises(pp.CheckpointError, match=r"saved with Strategy\(accumulate=2\) \(global micro-batch 8\), this "
+                                                 r"run has accumulate=1 \(global micro-batch 16\).*Resume with "
+                                                 r"Strategy\(accumulate=2\)"):
+        resumed.load_state_dict(state)
+    # The same micro-batch at another accumulate consumes the same samples: resumed.
+    same = pp.Strategy(data=1, batch_size=8, accumulate=1).shard_data(TensorDataset(torch.arange(48)))
+    same.load_state_dict(state)
