@@ -32,7 +32,11 @@ def train(strategy: pp.Strategy, model: nn.Module, optimizer: str = "sgd") -> di
     import polyparallel_torch as pt
 
     params = model.parameters()
-    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd" else torch.optim.Adam(params, lr=1e-3)
+    if strategy.shard_policy.stage == 1:  # ZeroRedundancyOptimizer over the data group
+        opt = pt.make_optimizer(strategy, model, torch.optim.SGD, lr=0.05, momentum=0.9)
+    else:
+        opt = (torch.optim.SGD(params, lr=0.05, momentum=0.9) if optimizer == "sgd"
+               else torch.optim.Adam(params, lr=1e-3))
     scaler = pt.grad_scaler(model)
     if scaler is not None:
         # A scale neither run overflows at, so both take the same steps: at the default 2**16 the first
@@ -146,6 +150,37 @@ def test_precisions_at_data2_equal_one_process_within_tolerance_and_memory(run):
             for label, v in m.items():
                 print(f"memory per rank, {label}: params {v['params']:,} B, grads {v['grads']:,} B, "
                       f"optimizer {v['optimizer']:,} B, total {sum(v.values()):,} B")
+
+
+def _worker_4(strategy: pp.Strategy) -> dict:
+    out = {}
+    for label, s in (("bf16-mixed data=2 x tensor=2", strategy.replace(data=2, tensor=2, precision="bf16-mixed")),
+                     ("bf16-mixed data=4 zero=1", strategy.replace(data=4, tensor=1, zero=1, precision="bf16-mixed")),
+                     ("bf16-true data=2 x tensor=2", strategy.replace(data=2, tensor=2, precision="bf16-true"))):
+        model = s.wrap_model(net())
+        out[label] = train(s, model)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_bf16_with_tensor_parallel_and_zero1_equals_one_process_within_tolerance(run):
+    # 4 gloo ranks: DTensor shards of the default tensor plan under autocast, and
+    # ZeroRedundancyOptimizer (zero=1) stepping float32 partitions of a bf16-mixed model.
+    strategy = pp.Strategy(data=2, tensor=2, batch_size=BATCH, timeout=60)
+    results = run(_worker_4, strategy, 4, strategy, timeout=280)
+    refs = {p: reference(p) for p in ("bf16-mixed", "bf16-true")}
+    fp32 = reference("32")
+    for rank, r in enumerate(results):
+        for label, got in r.items():
+            name = label.split(" ", 1)[0]
+            tolerance = BF16_ATOL if name == "bf16-mixed" else BF16_TRUE_ATOL
+            worst = close(got["params"], refs[name]["params"], tolerance, f"rank {rank}, {label}")
+            print(f"{label}: max parameter difference to one process {worst:.2e}")
+            for a, b in zip(got["losses"], refs[name]["losses"]):
+                assert abs(a - b) <= 1e-2 * abs(b) + 1e-4, (label, got["losses"], refs[name]["losses"])
+            assert max((got["params"][k] - fp32["params"][k]).abs().max().item() for k in fp32["params"]) > 1e-5
+            assert got["compute"] == "torch.bfloat16", (label, got["compute"])
+        assert r["bf16-mixed data=4 zero=1"]["param_dtype"] == "torch.float32"
 
 
 # -- refusals: before any process starts (launch) or any collective (wrap_model) ---------------------------
