@@ -11,7 +11,8 @@ Strategy           fastai
 =================  ========================================================================
 ``"32"``           no ``MixedPrecision`` (one the Learner carries is refused, naming both)
 ``"bf16-mixed"``   ``MixedPrecision(amp_mode="bf16")`` (``to_bf16``): bfloat16 autocast on the
-                   model's device, float32 parameters, optimizer state and DDP reduction
+                   model's device (CPU, CUDA, XLA), float32 parameters, optimizer state and
+                   the gradient reduction
 ``"fp16-mixed"``   ``MixedPrecision(amp_mode="fp16")`` (``to_fp16``) with its ``GradScaler`` on
                    the model's device (the CPU has float16 autocast and a GradScaler in torch
                    >= 2.3), dynamic loss scaling as fastai does it (a step with inf/NaN
@@ -98,10 +99,13 @@ def apply(learn: Any, strategy: pp.Strategy) -> None:
     if wanted is None:
         return
     device = _device_type(learn)
-    if device not in ("cpu", "cuda"):
+    # XLA devices: bfloat16 autocast on "xla" (no scaler: the XLA runtime makes none; fp16-mixed is
+    # refused before launch by its capabilities).
+    if device not in ("cpu", "cuda") and not (device == "xla" and wanted == AMPMode.BF16):
         raise pp.UnsupportedTopologyError(
-            f"the fastai adapter maps Strategy(precision={policy.name!r}) to autocast on CPU and CUDA; the model is on "
-            f"{device!r}, where it is not mapped. Use precision=None there (the runtime's own dtypes).")
+            f"the fastai adapter maps Strategy(precision={policy.name!r}) to autocast on CPU and CUDA (bf16-mixed also "
+            f"on XLA devices); the model is on {device!r}, where it is not mapped. Use precision=None there (the "
+            "runtime's own dtypes).")
     if carried:
         for cb in carried:  # its own before_fit (order 10, still to come in this event) made device-true
             cb.__dict__["before_fit"] = types.MethodType(device_before_fit, cb)
