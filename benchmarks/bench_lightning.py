@@ -2,6 +2,14 @@
 ``strategy="ddp"``, on the same LightningModule, data, seed and processes.
 
     python benchmarks/bench_lightning.py [--quick] [--rounds N] [--json results.json]
+    python benchmarks/bench_lightning.py --precision bf16-mixed [--quick] [--launches N] [--json results.json]
+
+With ``--precision P`` both sides train at that precision, each the way its own users set it: the
+adapter side through ``Strategy(data=2, precision=P)`` (the Trainer gets no ``precision=``, the
+adapter installs Lightning's precision plugin), the Lightning side as ``Trainer(strategy="ddp",
+precision=P)``; a third side, a second ``Trainer(strategy="ddp", precision=P)``, is the
+same-vs-same control. Each of ``--launches`` launches (10 with ``--quick``) gives one ratio (its
+pooled step medians); the figures are the median over launches with min and max.
 
 Two gloo processes (``polyparallel.launch``; Lightning's DDP detects the launcher and joins the
 same process group). Each round fits one epoch with each strategy, alternating which goes first
@@ -59,7 +67,8 @@ def _module_class() -> type:
     return BenchModule
 
 
-def _worker(strategy: pp.Strategy, rounds: int, samples: int, width: int) -> dict[str, Any]:
+def _worker(strategy: pp.Strategy, rounds: int, samples: int, width: int,
+            precision: str | None = None) -> dict[str, Any]:
     import logging
     import warnings
 
@@ -74,16 +83,19 @@ def _worker(strategy: pp.Strategy, rounds: int, samples: int, width: int) -> dic
     module_cls = _module_class()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(samples, 256, generator=g), torch.randint(0, 10, (samples,), generator=g))
-    per_side: dict[str, list[float]] = {"adapter": [], "ddp": []}
-    pooled: dict[str, list[float]] = {"adapter": [], "ddp": []}
+    sides = ["adapter", "ddp"] + (["control"] if precision is not None else [])
+    per_side: dict[str, list[float]] = {side: [] for side in sides}
+    pooled: dict[str, list[float]] = {side: [] for side in sides}
     for i in range(rounds):
-        order = ["adapter", "ddp"] if i % 2 == 0 else ["ddp", "adapter"]
+        order = sides[i % len(sides):] + sides[:i % len(sides)] if i % 2 == 0 else list(reversed(sides))
         for side in order:
             module = module_cls(width)
+            # The adapter's precision comes from the Strategy; Lightning's own ddp takes it as Trainer(precision=).
+            own = {} if side == "adapter" or precision is None else {"precision": precision}
             trainer = L.Trainer(
                 strategy=strategy.adapt("lightning", namespace="lightning.pytorch") if side == "adapter" else "ddp",
                 accelerator="cpu", devices=strategy.world_size, max_epochs=1, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **own,
             )
             trainer.fit(module, DataLoader(data, batch_size=32, shuffle=True))
             per_side[side].append(statistics.median(module.step_times[WARMUP:]))
@@ -97,7 +109,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--precision", default=None, help="e.g. bf16-mixed: both sides at it, with a control")
+    parser.add_argument("--launches", type=int, default=None, help="with --precision: launches (10; --quick 10)")
     args = parser.parse_args()
+    if args.precision is not None:
+        return _precision_main(args)
     rounds = args.rounds or (4 if args.quick else 10)
     samples = 2048 if args.quick else 4096
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -122,6 +138,39 @@ def main() -> None:
     print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
     print(f"({row['model']}; median of rank 0's steps over {rounds} alternating rounds, per-round ratio median "
           f"{row['ratio_per_round_median']:.3f}; ratio > 1: adapter faster)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f, indent=2)
+
+
+def _precision_main(args: argparse.Namespace) -> None:
+    launches = args.launches or 10
+    rounds = args.rounds or (3 if args.quick else 6)
+    samples = 1024 if args.quick else 4096
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    strategy = pp.Strategy(data=2, timeout=120, precision=args.precision)
+    ratios, controls, times = [], [], {"adapter": [], "ddp": [], "control": []}
+    for _ in range(launches):
+        rank0 = pp.launch(_worker, strategy, 2, args=(strategy, rounds, samples, args.width, args.precision),
+                          timeout=1800)[0]
+        med = {side: 1000 * statistics.median(rank0["pooled"][side]) for side in times}
+        for side in times:
+            times[side].append(med[side])
+        ratios.append(med["ddp"] / med["adapter"])
+        controls.append(med["ddp"] / med["control"])
+    row = {"benchmark": f"Lightning step at {args.precision}, data=2, gloo, 2 processes",
+           "model": f"MLP 256-{args.width}-{args.width}-10, batch 32 per rank", "launches": launches,
+           "rounds_per_launch": rounds, "adapter_ms": statistics.median(times["adapter"]),
+           "lightning_ddp_ms": statistics.median(times["ddp"]),
+           "ratio_ddp_over_adapter": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+           "control_ratio": statistics.median(controls), "control_min": min(controls),
+           "control_max": max(controls)}
+    print(f"{row['benchmark']} ({row['model']}), {launches} launches x {rounds} alternating rounds of 3 fits:")
+    print(f"  adapter (Strategy(precision={args.precision!r})) {row['adapter_ms']:.3f} ms, Lightning "
+          f"Trainer(strategy='ddp', precision={args.precision!r}) {row['lightning_ddp_ms']:.3f} ms")
+    print(f"  ratio ddp/adapter {row['ratio_ddp_over_adapter']:.3f} ({row['ratio_min']:.3f}..{row['ratio_max']:.3f}); "
+          f"control ddp/ddp {row['control_ratio']:.3f} ({row['control_min']:.3f}..{row['control_max']:.3f}) "
+          "(ratio > 1: adapter faster)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(row, f, indent=2)
