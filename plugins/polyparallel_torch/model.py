@@ -181,9 +181,10 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+    from .ddp_trace import install
     from .precision import ddp_comm_hook
 
-    hook = ddp_comm_hook(options.get("precision", strategy.precision))
-    if hook is not None:  # reduce_dtype narrower than the gradients: cast, all-reduce, cast back
-        ddp.register_comm_hook(rt.group("data"), hook)
+    # The bucket all-reduces recorded and identity-checked (.ddp_trace), then reduced by DDP's default
+    # hook or, with reduce_dtype narrower than the gradients, the compress hook (cast, all-reduce, cast back).
+    install(ddp, rt, strategy.grad_policy.check, ddp_comm_hook(options.get("precision", strategy.precision)))
     return ddp
