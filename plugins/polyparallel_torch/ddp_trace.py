@@ -30,6 +30,7 @@ one (DDP accepts a single hook), refused as torch refuses a second hook.
 from __future__ import annotations
 
 import os
+import types
 from typing import Any
 
 from torch import nn
@@ -59,6 +60,22 @@ class _State:
         self.user = False  # a hook registered through the model's register_comm_hook
         self.entry: _trace.Entry | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A copy of the model (copy.deepcopy, pickle) has no runtime: it only runs the reduction
+        # (over the default group, as a copied DDP model does).
+        return (_State, (None, False, self.inner, None))
+
+
+class _RecordingHook:
+    """The hook DDP calls (a module-level class: a model holding it can be copied and pickled);
+    its name says which reduction runs inside (DDP's logging data records it)."""
+
+    def __init__(self, inner: Any):
+        self.__name__ = self.__qualname__ = f"polyparallel_recording_hook({getattr(inner, '__name__', inner)})"
+
+    def __call__(self, state, bucket):  # no annotations: see polyparallel_recording_hook
+        return polyparallel_recording_hook(state, bucket)
+
 
 def _describe(bucket: Any) -> str:
     buffer = bucket.buffer()
@@ -78,6 +95,8 @@ def _finish(entry: _trace.Entry | None) -> Any:
 def polyparallel_recording_hook(state, bucket):
     """Record (and at bucket 0, identity-check) the bucket's all-reduce, then run the reduction."""
     rt = state.rt
+    if rt is None:  # a copy of the model
+        return state.inner(state.inner_state, bucket)
     if bucket.index() == 0:
         rec = rt._rec
         thread = None if rec is None else rec.thread  # keep the stack of the thread driving the step
@@ -110,25 +129,25 @@ def install(ddp: nn.parallel.DistributedDataParallel, rt: Any, check: bool, hook
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     own = _State(rt, check, hook or allreduce_hook, group)
+    ddp.register_comm_hook(own, _RecordingHook(own.inner))
+    ddp.register_comm_hook = types.MethodType(register_comm_hook, ddp)  # type: ignore[method-assign]
 
-    def recording(state, bucket):
-        return polyparallel_recording_hook(state, bucket)
 
-    # DDP's logging data names the hook: say which reduction runs inside.
-    recording.__name__ = recording.__qualname__ = f"polyparallel_recording_hook({own.inner.__name__})"
-    ddp.register_comm_hook(own, recording)
+def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, state: object, hook: Any) -> None:
+    """``ddp.register_comm_hook`` on a model with the recording hook: DDP takes one hook, so the
+    user's runs inside the recording one (refused, like torch's second hook, when one already does)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    def register_comm_hook(state: object, hook: Any) -> None:
-        # DDP takes one hook: the user's runs inside the recording one (refused like torch's second hook).
-        if own.user or own.inner is not allreduce_hook:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once (the "
-                               "model already reduces through a communication hook: the Strategy's precision "
-                               "policy's, or one registered earlier).")
-        ddp._check_comm_hook(hook)
-        own.inner, own.inner_state, own.user = hook, state, True
-
-    register_comm_hook.__doc__ = type(ddp).register_comm_hook.__doc__
-    ddp.register_comm_hook = register_comm_hook  # type: ignore[method-assign]
+    own = next((s for _, s in ddp._comm_hooks if isinstance(s, _State)), None)
+    if own is None:  # not ours (a copy's hook list): torch's own
+        type(ddp).register_comm_hook(ddp, state, hook)
+        return
+    if own.user or own.inner is not allreduce_hook:
+        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once (the model "
+                           "already reduces through a communication hook: the Strategy's precision policy's, or one "
+                           "registered earlier).")
+    ddp._check_comm_hook(hook)
+    own.inner, own.inner_state, own.user = hook, state, True
 
 
 def is_installed(ddp: nn.Module) -> bool:

@@ -251,3 +251,39 @@ def test_a_timeout_says_which_peer_finished_and_which_failed_where():
     assert "has exited" not in summary, summary
     # Without an outcome (a runtime closed outside any launcher, no exception): as before.
     assert tracing.outcome_of(None) == "finished"
+
+
+def _ddp_hook_composition(strategy):
+    """On a DDP model the runtime wrapped: a hook registered later runs inside the recording one,
+    a second is refused."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from polyparallel_torch import ddp_trace
+
+    model = strategy.wrap_model(nn.Linear(4, 2))
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting)
+    model(torch.ones(2, 4)).sum().backward()
+    try:
+        model.register_comm_hook(None, counting)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    entries = [e for e in _trace.get_recorder().last(8) if e["operation"] == ddp_trace.OPERATION]
+    return {"calls": calls, "refused": refused, "entries": entries, "installed": ddp_trace.is_installed(model),
+            "name": model._get_ddp_logging_data().get("comm_hook")}
+
+
+@pytest.mark.timeout(120)
+def test_a_hook_registered_on_the_ddp_model_runs_inside_the_recording_one(run):
+    for r in run(_ddp_hook_composition, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=100):
+        assert r["installed"] and r["calls"] == [0], r
+        assert "can only be called once" in r["refused"], r
+        assert r["name"] == "polyparallel_recording_hook(allreduce_hook)", r
+        assert r["entries"] and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
+        assert r["entries"][-1]["detail"].startswith("bucket 0: 10 float32"), r
