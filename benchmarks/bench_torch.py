@@ -1,6 +1,6 @@
 """Ratio benchmarks of the torch runtime against hand-written native code, side by side.
 
-    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check|grads|fresh] [--json results.json]
+    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check|grads|fresh|ddp-trace] [--json results.json]
 
 (a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
     one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
@@ -21,6 +21,12 @@
     while the gradients are packed) before the gradient buckets: steps with the check against the
     same steps with ``GradPolicy(check=False)``, interleaved, in ``--launches`` separate launches
     (median and spread of the ratio);
+(b3) a DDP training step (the model of (b2), batch 64 per rank) with DDP's bucket all-reduces
+    recorded and identity-checked (:mod:`polyparallel_torch.ddp_trace`, the default), recorded
+    only (``GradPolicy(check=False)``), and off (``POLYPARALLEL_TRACE_DDP=0``), with a second
+    "off" model as the same-vs-same control, interleaved, in ``--launches`` separate launches:
+    here the figures are step-time ratios against "off" (> 1: slower). ``--only ddp-trace
+    --quick`` runs this part alone;
 (c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
     model);
 (d) ``import polyparallel`` time (fresh interpreters).
@@ -334,6 +340,66 @@ def _check_cost_worker(quick: bool) -> dict[str, float]:
             "check_alone": statistics.median(check_alone[skip:])}
 
 
+def _ddp_trace_worker(quick: bool) -> dict[str, float]:
+    """(b3): DDP training steps with the bucket recording and check (polyparallel_torch.ddp_trace)
+    on, recording only (GradPolicy(check=False)), off, and off again (the same-vs-same control):
+    four DDP models of the same weights on the same data group, steps interleaved."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from polyparallel_torch import ddp_trace
+
+    strategy = pp.Strategy(data=2, timeout=120)
+    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    models = {"on": strategy.wrap_model(model_()), "recorded": unchecked.wrap_model(model_())}
+    os.environ[ddp_trace.ENV] = "0"
+    models |= {"off": strategy.wrap_model(model_()), "off again": strategy.wrap_model(model_())}
+    del os.environ[ddp_trace.ENV]
+    assert ddp_trace.is_installed(models["on"]) and not ddp_trace.is_installed(models["off"])
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
+
+    def step(name: str) -> None:
+        loss = nn.functional.cross_entropy(models[name](x), y)
+        opts[name].zero_grad()
+        loss.backward()
+        opts[name].step()
+
+    times: dict[str, list[float]] = {k: [] for k in models}
+    names = list(models)
+    for i in range(30 if quick else 80):
+        order = names[i % 4:] + names[:i % 4]  # rotate who goes first
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v[5:]) for k, v in times.items()}
+
+
+def ddp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(b3) over ``launches`` launches: median and spread of on/off, recorded/off and the control."""
+    strategy = pp.Strategy(data=2, timeout=120)
+    per_launch = [pp.launch(_ddp_trace_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
+    figures: dict[str, Any] = {"launches": per_launch}
+    rows = []
+    for name in ("on", "recorded", "off again"):
+        ratios = sorted(r[name] / r["off"] for r in per_launch)
+        figures[f"{name} / off"] = ratios
+        rows.append((f"DDP step, bucket recording: {name} vs off ({launches} launches)",
+                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
+                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
+                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    return rows, {"ddp trace": figures}
+
+
 def dispatch_cost() -> dict[str, float]:
     class Noop:
         @pp.hookimpl
@@ -369,9 +435,9 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=None,
                         help="launches of the identity-check (b2) and fresh-gradient (a2) benchmarks; "
                              "default 10, 3 with --quick")
-    parser.add_argument("--only", choices=["check", "grads", "fresh"],
+    parser.add_argument("--only", choices=["check", "grads", "fresh", "ddp-trace"],
                         help="run only the identity-check benchmark (b2), only the sync_grads ones (a, a2), "
-                             "or only the fresh-gradient step (a2)")
+                             "only the fresh-gradient step (a2), or only DDP's bucket recording on/off (b3)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     strategy = pp.Strategy(data=2, timeout=120)
@@ -380,6 +446,9 @@ def main() -> None:
     launches = args.launches or (3 if args.quick else 10)
     if args.only == "fresh":
         _print(*fresh_grads(args.quick, launches), args.json)
+        return
+    if args.only == "ddp-trace":
+        _print(*ddp_trace_cost(args.quick, launches), args.json)
         return
     if args.only == "grads":
         rows, figures = fresh_grads(args.quick, launches)

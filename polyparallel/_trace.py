@@ -52,9 +52,9 @@ _ENV_SWITCH = "POLYPARALLEL_TRACE"
 _ENV_DIR = "POLYPARALLEL_TRACE_DIR"
 
 # Module roots whose frames are never "the caller": polyparallel itself, and pluggy's dispatch.
-_OWN = ("polyparallel", "pluggy", "contextlib", "functools")
+_OWN = OWN = ("polyparallel", "pluggy", "contextlib", "functools")
 # Frameworks that issue collectives on the user's behalf: the user's frame is further up.
-_FRAMEWORKS = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ignite", "jax", "flax",
+_FRAMEWORKS = NOT_USER = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric", "ignite", "jax", "flax",
                          "fastai", "deepspeed", "threading", "runpy"})
 
 

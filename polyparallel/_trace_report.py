@@ -2,9 +2,10 @@
 
 A rank's *state* is what it publishes through a runtime's side channel (or writes at exit): a
 dict with ``rank``, its latest ``entries`` (:meth:`polyparallel._trace.Entry.to_dict`), its
-``stack`` (the Python stack of the thread that drives its collectives, or ``None``) and
-``exited``. :func:`describe_group` turns the states of a group into the lines of a
-``CollectiveTimeout``; :func:`read_dir` and :func:`timeline` serve ``polyparallel trace DIR``.
+``stack`` (the Python stack of the thread that drives its collectives, or ``None``),
+``exited`` and, for a rank that exited, its ``outcome`` when known (``"finished"``, ``"failed in
+training_step (train.py:42) with ValueError"``; ``None``: reported as "has exited"). :func:`describe_group` turns the
+states of a group into the lines of a ``CollectiveTimeout``; :func:`read_dir` and :func:`timeline` serve ``polyparallel trace DIR``.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def _status(state: Mapping[str, Any] | None, mine: Mapping[str, Any] | None, ans
     last = entries[-1] if entries else None
     if exited:
         latest = f"{label(last)} ({location(last)}, {last.get('state')})" if last is not None else "none"
-        return f"has exited (its last collective: {latest})", False
+        outcome = state.get("outcome")  # "finished", "failed in f (x.py:3) with ValueError" (when known)
+        return f"{outcome if isinstance(outcome, str) and outcome else 'has exited'} (its last collective: {latest})", False
     since = (f"since {label(last)} ({location(last)}, {last.get('state')})" if last is not None
              else "yet")
     return f"has not entered any collective {since}", True

@@ -114,6 +114,9 @@ def request_problem(value: Any) -> str | None:
     return None
 
 
+_MAX_OUTCOME = 400
+
+
 def state_problem(value: Any, rank: int) -> str | None:
     """Why ``value`` is not a state rank ``rank`` published (see :mod:`polyparallel._trace_report`
     for the fields), or ``None``."""
@@ -130,6 +133,9 @@ def state_problem(value: Any, rank: int) -> str | None:
     stack = value.get("stack")
     if stack is not None and (not isinstance(stack, str) or len(stack) > _MAX_STACK):
         return "the state's 'stack' is not a text of at most 64 KiB"
+    outcome = value.get("outcome")
+    if outcome is not None and (not isinstance(outcome, str) or len(outcome) > _MAX_OUTCOME):
+        return f"the state's 'outcome' is not a text of at most {_MAX_OUTCOME} characters"
     entries = value.get("entries")
     if not isinstance(entries, list) or len(entries) > _MAX_ENTRIES:
         return f"the state's 'entries' is not a list of at most {_MAX_ENTRIES}"

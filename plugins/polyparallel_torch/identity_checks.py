@@ -132,7 +132,9 @@ class CheckedCollectives(BoundedCollectives):
         self.mark_broken(message.splitlines()[0])
         if refusal is not None:
             raise TypeError(f"{refusal}\n{message}")
-        raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
+        error = pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
+        error.peers_named = True  # type: ignore[attr-defined]  # it names both sides (launchers' root cause)
+        raise error
 
     @contextlib.contextmanager
     def operation(self, name: str, axis: str, detail: str = "",

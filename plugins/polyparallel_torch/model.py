@@ -9,7 +9,9 @@
   over the data group: sharded at zero=2/3, replicated at zero=0 (HSDP with a shard dimension of
   one rank); zero=1 is refused before launch (pipeline.py says why, and why not DDP).
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
-  and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op). Never DataParallel.
+  and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op), its bucket
+  all-reduces recorded and identity-checked through a communication hook (:mod:`.ddp_trace`).
+  Never DataParallel.
 - ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the
   mesh, after the tensor plan (:mod:`polyparallel_torch.sharding`); ``sync_grads`` is a no-op.
 - ``data > 1`` with ``tensor > 1`` at zero=0: the tensor-parallel module is returned as is, its parameters
@@ -181,9 +183,10 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+    from .ddp_trace import install
     from .precision import ddp_comm_hook
 
-    hook = ddp_comm_hook(options.get("precision", strategy.precision))
-    if hook is not None:  # reduce_dtype narrower than the gradients: cast, all-reduce, cast back
-        ddp.register_comm_hook(rt.group("data"), hook)
+    # The bucket all-reduces recorded and identity-checked (.ddp_trace), then reduced by DDP's default
+    # hook or, with reduce_dtype narrower than the gradients, the compress hook (cast, all-reduce, cast back).
+    install(ddp, rt, strategy.grad_policy.check, ddp_comm_hook(options.get("precision", strategy.precision)))
     return ddp

@@ -11,7 +11,8 @@ thread is blocked in a collective (the backend releases the GIL while it waits) 
 Python (the interpreter switches threads every few milliseconds). The waiting rank reads them
 for a few seconds and :func:`polyparallel._trace_report.describe_group` turns them into the
 lines of its :class:`polyparallel.CollectiveTimeout`. A rank whose runtime closed publishes a
-last state marked ``exited``; a rank that never answers is named as such. A later channel of the
+last state marked ``exited``, with its ``outcome`` when known (:func:`set_outcome`: ``finished``,
+or ``failed in training_step (train.py:42) with ValueError``); a rank that never answers is named as such. A later channel of the
 same process (a new runtime after every earlier one closed) replaces that state with a live one
 at once and ignores the requests made before it.
 
@@ -40,7 +41,7 @@ from polyparallel._trace_report import describe_group, location
 
 from . import channel_auth
 
-__all__ = ["SideChannel", "start", "release", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
+__all__ = ["SideChannel", "start", "release", "set_outcome", "outcome_of", "hang_report", "mismatch_message", "where_of", "POLL_S", "STACK_FRAMES"]
 
 POLL_S = 0.2
 """How often each rank's thread looks for a request (seconds)."""
@@ -136,6 +137,7 @@ class SideChannel:
         with self._lock:
             self._seen = max(self._seen, generation)
             state = {"rank": self.rank, "gen": generation, "time": time.time(), "exited": exited,
+                     "outcome": _SHARED["outcome"] if exited else None,
                      "entries": self.recorder.last(8),
                      "stack": _stack_of(self.recorder.thread) if stack and not exited else None}
             name = f"state/{self.rank}"
@@ -194,6 +196,8 @@ class SideChannel:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.poll_s + 1.0)
         if not self._dead:
+            if _SHARED["outcome"] is None and sys.exc_info()[1] is not None:
+                set_outcome(sys.exc_info()[1])  # closed by a `with` block an exception leaves
             with contextlib.suppress(Exception):
                 self.publish(self._seen, exited=True)
 
@@ -245,7 +249,35 @@ def _share_key(runtime: Any) -> bytes:
 # One channel per process, shared by its runtimes (refcounted): a peer still working in another
 # runtime (another Strategy timeout or topology) must answer too, and its entries are the
 # process's anyway (one process is one rank).
-_SHARED: dict[str, Any] = {"channel": None, "users": 0, "key": None}
+_SHARED: dict[str, Any] = {"channel": None, "users": 0, "key": None, "outcome": None}
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """How the rank's work ended, for its peers' reports: ``"finished"``, or ``"failed in
+    training_step (train.py:42) with ValueError"`` (the innermost frame of the traceback outside
+    polyparallel and the frameworks it drives, else the innermost one)."""
+    if exc is None:
+        return "finished"
+    frames = [(tb.tb_frame, tb.tb_lineno) for tb in _walk(exc.__traceback__)]
+    own = [f for f in frames if f[0].f_globals.get("__name__", "").partition(".")[0] not in _trace.NOT_USER
+           and not f[0].f_globals.get("__name__", "").startswith(_trace.OWN)]
+    frame, line = (own or frames or [(None, 0)])[-1]
+    where = "" if frame is None else f" in {frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{line})"
+    return f"failed{where} with {type(exc).__name__}"[:300]
+
+
+def _walk(tb: Any) -> Any:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def set_outcome(exc: BaseException | None) -> None:
+    """Record how this process's work ended (:func:`outcome_of`); the channel's last state says it
+    to the peers ("rank 1 failed in training_step (train.py:42) with ValueError", "rank 1 finished").
+    The launchers call it when the function or script returns or raises; a channel closed while an
+    exception propagates (a session's ``with`` block) says that exception."""
+    _SHARED["outcome"] = outcome_of(exc)
 
 
 def start(runtime: Any) -> SideChannel | None:

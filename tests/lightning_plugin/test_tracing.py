@@ -3,6 +3,7 @@ Lightning ``Trainer``: the collectives the adapter runs for Lightning are record
 that skips one, or runs another, is named by its peers with its location."""
 
 import os
+import re
 import time
 
 import pytest
@@ -72,7 +73,52 @@ def test_lightning_desync_and_hang_name_the_other_ranks_location(run):
     hang = r0["hang"]
     assert hang and hang.startswith("CollectiveTimeout: reduce (self.log sync_dist=True)"), r0
     first = hang.splitlines()[0]
-    assert "rank 1 has not entered any collective since reduce (self.log sync_dist=True)" in first, hang
-    assert f"({here}:{reduce_at}" in first, hang  # where rank 1 last reduced
+    # Rank 1's last collective: the backward after its reduce (DDP's gradient all-reduces are recorded).
+    assert "rank 1 has not entered any collective since DDP gradient all-reduce #" in first, hang
+    assert f"({here}:{source_line(_worker, 'out[scenario] = failure_text')} via " in first, hang  # its fit's backward
+    assert reduce_at
     assert "rank 0 waits in reduce (self.log sync_dist=True)" in first, hang
     assert f"line {source_line(_module_class, 'hang: rank 1 skips')}, in on_train_batch_end" in hang, hang  # its stack
+
+
+def _log_on_rank_zero_only():
+    """A Lightning DDP fit in which rank 0 logs a key with ``sync_dist=True`` at every step and rank
+    1 does not: rank 0's reduction meets rank 1's DDP gradient all-reduce (Lightning issue 19106)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from polyparallel_lightning.testing import make_trainer, reference_module_class
+    from polyparallel_torch.testing import reference_dataset
+
+    strategy = pp.Strategy(data=-1, timeout=20)
+
+    class LogsOnRankZero(reference_module_class(NS)):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            if self.trainer.global_rank == 0:
+                self.log("only0", torch.tensor(1.0), sync_dist=True)  # only0: rank 0 logs
+            return loss
+
+    trainer = make_trainer(strategy, NS, max_epochs=1, limit_train_batches=3, limit_val_batches=0)
+    trainer.fit(LogsOnRankZero(0), DataLoader(reference_dataset(24), batch_size=4))
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_dist_log_of_one_rank_against_ddps_bucket_all_reduce_names_both_sides():
+    # Before: a raw `gloo ... Timed out waiting 20000ms for recv` raised in DDP's backward was the
+    # headline, after the 20 s timeout, and the user's log line was never named.
+    started = time.monotonic()
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_log_on_rank_zero_only, pp.Strategy(data=2, timeout=20), 2, timeout=100)
+    took = time.monotonic() - started
+    message = str(info.value)
+    headline = message.splitlines()[0]
+    assert "operations out of step over the 'data' axis" in headline, message
+    # Either rank's report (both fail at once, each naming both sides).
+    reduce, ddp = r"reduce \(self\.log sync_dist=True\) #\d+ on rank 0", r"DDP gradient all-reduce #\d+ on rank 1"
+    assert re.search(f"{reduce} vs {ddp}|{ddp} vs {reduce}", headline), message
+    assert "rank 1: DDP gradient all-reduce" in message and "(bucket 0: " in message, message  # its bucket
+    assert "rank 0: reduce (self.log sync_dist=True)" in message, message
+    # (Where rank 0 logged: torchmetrics' frame today; the user's line is the metric-key work's.)
+    assert "Timed out" not in headline, message
+    assert took < 20 + 15, took  # the two processes' start (Lightning, torch) and the failure, not the 20 s timeout

@@ -3,6 +3,7 @@ script that cannot run before any agent or worker starts, and a frozen rank ends
 its timeout, named as the suspect."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import textwrap
 import time
 
 import pytest
+
+from polyparallel_torch.testing import source_line
 
 from .test_launch import _running  # whether a process is alive (not a zombie)
 
@@ -100,12 +103,17 @@ def _freeze_rank_one(marker):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _rank_one_goes_silent(marker):
-    """DDP training; rank 1 stops training at step 3 (alive, busy elsewhere) while rank 0 goes on:
-    rank 0's error is gloo's bare timeout in backward, which names no peer."""
+def _rank_one_goes_silent(marker, record=False):
+    """DDP training; rank 1 stops training at step 3 (alive, busy elsewhere) while rank 0 goes on.
+    Without DDP's bucket recording (``record``), rank 0's error is gloo's bare timeout in
+    backward, which names no peer; with it, the identity check of rank 0's backward times out with
+    the hang report."""
     import torch
 
     import polyparallel as pp
+
+    if not record:
+        os.environ["POLYPARALLEL_TRACE_DDP"] = "0"
 
     s = pp.Strategy(data=-1, timeout=TIMEOUT)
     model = s.wrap_model(torch.nn.Linear(4, 1))
@@ -113,8 +121,8 @@ def _rank_one_goes_silent(marker):
         if step == 3 and s.rank == 1:
             with open(marker, "w") as f:
                 f.write(str(time.monotonic()))
-            time.sleep(600)
-        model(torch.ones(2, 4)).sum().backward()
+            time.sleep(600)  # rank 1 goes silent
+        model(torch.ones(2, 4)).sum().backward()  # rank 0 trains on
 
 
 @pytest.mark.timeout(120)
@@ -150,6 +158,24 @@ def test_a_rank_alive_but_silent_while_its_peers_time_out_is_named_as_the_suspec
     assert info.value.rank == 1, message
     assert message.startswith("rank 1 of 2 is the suspect: its peers' collectives timed out waiting for it, and it "
                               "was still running but never answered"), message
+
+
+@pytest.mark.timeout(120)
+def test_with_ddps_buckets_recorded_a_silent_rank_is_named_by_its_peers_timeout(tmp_path):
+    # DDP's bucket all-reduces recorded (the default): rank 0's backward times out in polyparallel's
+    # check, whose hang report names rank 1, its last operation and its stack.
+    import polyparallel as pp
+
+    marker = str(tmp_path / "silent-at")
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_rank_one_goes_silent, pp.Strategy(data=2, timeout=TIMEOUT), 2, args=(marker, True), timeout=100)
+    message, here = str(info.value), os.path.basename(__file__)
+    first = message.splitlines()[0]
+    assert first.startswith("rank 0 of 2 failed: CollectiveTimeout: DDP gradient all-reduce #"), message
+    backward = source_line(_rank_one_goes_silent, "rank 0 trains on")
+    assert re.search(rf"rank 1 has not entered any collective since DDP gradient all-reduce #\d+ \({here}:{backward}",
+                     first), message
+    assert f"line {source_line(_rank_one_goes_silent, 'rank 1 goes silent')}, in _rank_one_goes_silent" in message, message
 
 
 FREEZING_SCRIPT = textwrap.dedent("""

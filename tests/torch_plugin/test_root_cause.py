@@ -115,3 +115,24 @@ def test_a_rank_its_peers_timed_out_waiting_for_is_the_suspect_frozen_first():
     # A peer's lost connection (no timeout) keeps the old order: the earliest collective
     # failure, not a rank the launcher stopped.
     assert root_cause([RankEnd(0, _lost_peer(0, at=0.0), 1), RankEnd(1, None, None, stopped=True)], 2).rank == 0
+
+
+def test_a_polyparallel_report_naming_both_sides_beats_an_earlier_bare_backend_error():
+    # Issue 23: rank 1's gloo timeout raised in DDP's backward came first and was the headline;
+    # rank 0's report, which names both sides, was "probably a consequence".
+    from torch.distributed import DistBackendError
+
+    bare = _record(DistBackendError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv"),
+                   1, at=0.0)
+    desync = pp.CollectiveError("operations out of step over the 'data' axis (group ranks [0, 1]): reduce #4 on "
+                                "rank 0 vs DDP gradient all-reduce #4 on rank 1", operation="reduce", axis="data",
+                                rank=0)
+    desync.peers_named = True  # what the identity check sets on its desync error
+    cause = root_cause([RankEnd(1, bare, 1), RankEnd(0, _record(desync, 0, at=0.5), 1)], 2)
+    assert cause.rank == 0 and cause.message.startswith("rank 0 of 2 failed: CollectiveError: operations out of step")
+    assert "\n  rank 1: DistBackendError: " in cause.message and "probably a consequence" in cause.message
+    # A timeout with its hang report too; between two bare errors, the earliest still.
+    cause = root_cause([RankEnd(1, bare, 1), RankEnd(0, _timed_out(0, at=0.5), 1)], 2)
+    assert cause.rank == 0, cause.message
+    other = _record(DistBackendError("Connection reset by peer"), 0, at=0.5)
+    assert root_cause([RankEnd(1, bare, 1), RankEnd(0, other, 1)], 2).rank == 1

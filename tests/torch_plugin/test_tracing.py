@@ -208,3 +208,82 @@ def test_cli_launch_prints_the_first_failing_rank_once_and_trace_shows_the_timel
     assert "data" in hang_row and "reduce_metrics [failed]" in hang_row and "(hang.py:8)" in hang_row, shown.stdout
     assert hang_row.rstrip().endswith("-"), shown.stdout  # rank 1 never entered #2
     assert "rank 1:" in shown.stdout and "hang.py:6" in shown.stdout
+
+
+
+def _bad_batch(step):
+    raise ValueError(f"bad batch at step {step}")
+
+
+def test_a_timeout_says_which_peer_finished_and_which_failed_where():
+    # Before: "rank 1 has exited", "rank 2 has exited": a rank that finished and one that failed
+    # read alike. Three ranks' channels over one store (one process: the outcome is process-wide,
+    # so the ranks close one after the other); rank 0 asks, as its timeout does.
+    import torch.distributed as dist
+
+    from polyparallel_torch import tracing
+    from polyparallel_torch.tracing import SideChannel
+
+    key, store = os.urandom(32), dist.HashStore()
+    channels = {}
+    for rank in (0, 1, 2):
+        recorder = _trace.Recorder()
+        recorder.finish(recorder.enter("reduce_metrics", "data", 1))
+        channels[rank] = SideChannel(store, rank, recorder, poll_s=0.02, key=key)
+    try:
+        tracing.set_outcome(None)  # what the launcher's worker says when the function returned
+        channels[1].close()
+        try:
+            _bad_batch(3)
+        except ValueError as exc:
+            tracing.set_outcome(exc)  # ... and when it raised
+            line = exc.__traceback__.tb_next.tb_lineno
+        channels[2].close()
+        states = channels[0].collect([0, 1, 2], 2.0)
+    finally:
+        tracing._SHARED["outcome"] = None
+        channels[0].close()
+    summary, _ = _trace_report.describe_group(states, 0, 2.0)
+    assert "rank 1 finished (its last collective: reduce_metrics #1" in summary, summary
+    here = os.path.basename(__file__)
+    assert f"rank 2 failed in _bad_batch ({here}:{line}) with ValueError (its last collective: reduce_metrics #1" \
+        in summary, summary
+    assert "has exited" not in summary, summary
+    # Without an outcome (a runtime closed outside any launcher, no exception): as before.
+    assert tracing.outcome_of(None) == "finished"
+
+
+def _ddp_hook_composition(strategy):
+    """On a DDP model the runtime wrapped: a hook registered later runs inside the recording one,
+    a second is refused."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from polyparallel_torch import ddp_trace
+
+    model = strategy.wrap_model(nn.Linear(4, 2))
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting)
+    model(torch.ones(2, 4)).sum().backward()
+    try:
+        model.register_comm_hook(None, counting)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    entries = [e for e in _trace.get_recorder().last(8) if e["operation"] == ddp_trace.OPERATION]
+    return {"calls": calls, "refused": refused, "entries": entries, "installed": ddp_trace.is_installed(model),
+            "name": model._get_ddp_logging_data().get("comm_hook")}
+
+
+@pytest.mark.timeout(120)
+def test_a_hook_registered_on_the_ddp_model_runs_inside_the_recording_one(run):
+    for r in run(_ddp_hook_composition, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=100):
+        assert r["installed"] and r["calls"] == [0], r
+        assert "can only be called once" in r["refused"], r
+        assert r["name"] == "polyparallel_recording_hook(allreduce_hook)", r
+        assert r["entries"] and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
+        assert r["entries"][-1]["detail"].startswith("bucket 0: 10 float32"), r

@@ -21,6 +21,7 @@ from typing import Any
 import polyparallel as pp
 from polyparallel._errors import exception_summary
 
+from ..tracing import set_outcome
 from .base import Stopped, end_with_parent, free_port, rank_environment, stop_on_sigterm, write_atomically
 from .launch_dir import error_path, launch_dir, remove_stale_launch_dirs, result_path
 from .records import write_failure
@@ -221,11 +222,13 @@ def _run(rank: int, fn: Callable[..., Any], strategy: pp.Strategy, outdir: str, 
 
         get_runtime(strategy.session())
         result = fn(*args, **kwargs)
+        set_outcome(None)  # the peers' reports: "rank 1 finished"
         write_atomically(result_path(outdir, rank), pickle.dumps(result))
         return None
     except Stopped:
         raise
     except BaseException as exc:
+        set_outcome(exc)  # the peers' reports: "rank 1 failed in f (x.py:3) with ValueError"
         # Saved before any teardown: a peer that dies of our exit must not be reported instead of us.
         write_failure(error_path(outdir, rank), exc, rank, nprocs)
         return f"rank {rank} failed: {exception_summary(exc, first_line=False)}"

@@ -16,7 +16,8 @@ timestamp), plus a ``polyparallel`` record, which is what the launchers read
 - ``timeout``: whether it is a collective timeout (a peer never answered:
   :func:`polyparallel_torch.backend_errors.is_timeout`); ``explained``: whether the error itself
   says what every peer was doing (a :class:`polyparallel.CollectiveTimeout` of the strategy's
-  operations carries the hang report; a backend's own timeout, DDP's in backward, does not);
+  operations carries the hang report, the desync error of an identity check names both sides; a
+  backend's own timeout, DDP's in backward, does neither: :func:`explains`);
 - ``summary``: the error in one line; ``traceback``: all of it.
 
 Function mode writes it as ``<rank>.err.json`` in the launch directory, script mode where
@@ -38,7 +39,7 @@ from polyparallel._errors import exception_summary
 from ..backend_errors import is_collective_failure, is_timeout
 from .base import write_atomically
 
-__all__ = ["failure_record", "read_failure", "record_of", "write_failure"]
+__all__ = ["explains", "failure_record", "read_failure", "record_of", "write_failure"]
 
 
 def failure_record(exc: BaseException, rank: int, world_size: int | None) -> dict[str, Any]:
@@ -46,9 +47,16 @@ def failure_record(exc: BaseException, rank: int, world_size: int | None) -> dic
     return {
         "rank": rank, "world_size": world_size, "host": socket.gethostname(), "time": time.time(),
         "monotonic": time.monotonic(), "collective": is_collective_failure(exc), "timeout": is_timeout(exc),
-        "explained": isinstance(exc, pp.CollectiveTimeout), "summary": exception_summary(exc),
+        "explained": explains(exc), "summary": exception_summary(exc),
         "traceback": "".join(traceback.format_exception(exc)),
     }
+
+
+def explains(exc: BaseException) -> bool:
+    """Whether ``exc`` is a polyparallel report that says what the peers were doing: a
+    :class:`polyparallel.CollectiveTimeout` (with its hang report) or the desync error of an
+    identity check, which names both sides (``peers_named``)."""
+    return isinstance(exc, pp.CollectiveTimeout) or bool(getattr(exc, "peers_named", False))
 
 
 def write_failure(path: str, exc: BaseException, rank: int, world_size: int | None) -> None:

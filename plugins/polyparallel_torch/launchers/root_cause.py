@@ -15,7 +15,10 @@ cause, chosen in this order:
    hang report; a backend's timeout, such as DDP's in backward, does not), the lowest one the
    launcher found alive but silent (no error of its own: it never called the collective, or is
    stuck outside one);
-4. else the earliest collective failure;
+4. else the earliest collective failure that is a polyparallel report naming the peers' side (a
+   desync error naming both operations, a timeout with its hang report: the record's
+   ``explained``), else the earliest collective failure (a backend's own error, such as gloo's
+   timeout raised in DDP's backward, names no peer);
 5. else the lowest rank the launcher stopped.
 
 The report is the root cause's line (its error in one line, or how it ended), its whole
@@ -82,7 +85,9 @@ def _choose(ends: Sequence[RankEnd]) -> RankEnd:
     when = _clock([e.record for e in recorded if e.record])
     own = sorted((e for e in recorded if e.record and not e.record.get("collective")), key=when)
     silent = sorted((e for e in ends if not e.record and not e.stopped), key=lambda e: e.rank)
-    collective = sorted((e for e in recorded if e.record and e.record.get("collective")), key=when)
+    # A polyparallel report that names the peers' side beats a backend's bare error (rule 4).
+    collective = sorted((e for e in recorded if e.record and e.record.get("collective")),
+                        key=lambda e: (not (e.record or {}).get("explained"), when(e)))
     stopped = sorted((e for e in ends if not e.record and e.stopped), key=lambda e: (not e.frozen, e.rank))
     return (own or silent or _waited_for(ends, stopped) or collective or stopped)[0]
 

@@ -63,11 +63,15 @@ def main(argv: list[str] | None = None) -> None:
         end_with_parent(int(launcher))
     sys.argv = argv
     _script_path_first(os.path.dirname(os.path.abspath(script)))
+    from ..tracing import set_outcome
+
     try:
         runpy.run_path(script, run_name="__main__")
+        set_outcome(None)  # the peers' reports: "rank 1 finished" (its runtime closes at exit)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:
+        set_outcome(exc)
         record_error(exc)
         rank = os.environ.get("RANK", "?")
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
