@@ -23,7 +23,8 @@ model wrapping                ``strategy.wrap_model`` (stage 0: DDP over the dat
 gradients                     ``strategy.sync_grads(model)`` after the closure, before the optimizer
                               step (a documented no-op under DDP and FSDP2, which reduce in backward)
 ``self.log(sync_dist=True)``  ``reduce`` over the *data* group through the runtime's bounded
-                              all-reduce (Lightning's epoch means are batch-size weighted)
+                              all-reduce (Lightning's epoch means are batch-size weighted); the
+                              logged key is part of the identity check (``_logged_key``)
 states                        ``strategy.sync_states(model)`` at validation/test/predict start and
                               before each checkpoint (the ``StatePolicy``)
 predictions                   gathered at ``on_predict_end``: every row once, in order, on every
@@ -396,7 +397,15 @@ class StrategyMixin(CheckpointMixin):
         op = _op_name(reduce_op)
         if op == "avg" and not tensor.is_floating_point():
             tensor = tensor.float()
-        return self.runtime.all_reduce(tensor, op, "reduce (self.log sync_dist=True)", "data")
+        key = _logged_key(sys._getframe(1))
+        if key is None:  # called directly, or a Lightning whose result collection is not the known one
+            return self.runtime.all_reduce(tensor, op, "reduce (self.log sync_dist=True)", "data")
+        # The key is part of the identity: ranks syncing different keys fail at once naming both.
+        name, fx = key
+        operation = f"self.log({name!r}, sync_dist=True)"
+        rt = self.runtime
+        with rt.operation(operation, "data", f"{fx}: all_reduce {op} {tensor.dtype} {list(tensor.shape)}"):
+            return rt.all_reduce(tensor, op, operation, "data")
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Over the world: every rank (tensor replicas too) must stop, or save, together."""
@@ -489,6 +498,27 @@ class StrategyMixin(CheckpointMixin):
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = getattr(module, "_trainer", None) if module is not None else None
         return trainer is None or trainer.state.stage == "train"
+
+
+def _logged_key(frame: Any) -> tuple[str, str] | None:
+    """``(name, hook)`` of the ``self.log`` value a ``reduce`` call syncs, or ``None``.
+
+    Lightning calls ``strategy.reduce(tensor, reduce_op=, group=)`` with no name, through the sync
+    function it stores on the logged value's metadata, from ``_ResultMetric.update``/``compute``
+    (``...logger_connector.result``, both namespaces). No public route carries the key, and
+    wrapping that stored function would mean writing private attributes Lightning regenerates;
+    so, as a last resort, the direct caller's frame is read (never changed): its ``self.meta.name``
+    and ``.fx``. Anything else (a direct call, another Lightning layout) gives ``None``."""
+    for _ in range(2):  # the caller (the stored partial adds no frame), or one wrapper above it
+        if frame is None:
+            return None
+        if frame.f_globals.get("__name__", "").endswith(".logger_connector.result") and \
+                frame.f_code.co_name in ("update", "compute"):
+            meta = getattr(frame.f_locals.get("self"), "meta", None)
+            name, fx = getattr(meta, "name", None), getattr(meta, "fx", None)
+            return (name, fx) if isinstance(name, str) and isinstance(fx, str) else None
+        frame = frame.f_back
+    return None
 
 
 #: Lightning's ``reduce_op`` strings as the runtime's op names.
