@@ -55,7 +55,7 @@ fi
 # `polyparallel launch`. Whole suite only; POLYPARALLEL_SKIP_LANES=1 or POLYPARALLEL_SKIP_SLURM=1 skips it.
 if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ] && [ "${POLYPARALLEL_SKIP_SLURM:-0}" != 1 ]; then
     echo "== pytest (SLURM lane: tools/test-slurm.sh)"
-    POLYPARALLEL_VENV="$ROOT/.venv" bash "$ROOT/tools/test-slurm.sh" || failed+=(pytest-slurm)
+    POLYPARALLEL_VENV="${POLYPARALLEL_VENV:-$ROOT/.venv}" bash "$ROOT/tools/test-slurm.sh" || failed+=(pytest-slurm)
 fi
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "tools/test.sh: failed: ${failed[*]}" >&2
