@@ -41,7 +41,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 def process_info_from_env() -> ProcessInfo:
-    """Rank and world size from the launcher's environment (torchrun's names; 0 of 1 if unset)."""
+    """Rank and world size from the launcher's environment (torchrun's names; 0 of 1 if unset).
+    Inside a SLURM job step, SLURM's ranks are set in those names first (:func:`._slurm.adopt`)."""
+    from ._slurm import adopt
+
+    adopt()
     info = ProcessInfo(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
     if not 0 <= info.rank < info.world_size:
         raise TopologyError(f"RANK={info.rank} is out of range for WORLD_SIZE={info.world_size}.")
@@ -141,8 +145,13 @@ class Session:
         try:
             self.topology: Topology = strategy.topology.resolve(info.world_size)
         except TopologyError as exc:
+            from ._slurm import in_slurm_step
+
+            hint = (f" (under SLURM: SLURM_NTASKS={os.environ.get('SLURM_NTASKS')} tasks were started; run as many "
+                    "tasks as the strategy has ranks, e.g. `srun -n N`, or one launcher per node)"
+                    if in_slurm_step() and os.environ.get("WORLD_SIZE") == os.environ.get("SLURM_NTASKS") else "")
             raise TopologyError(
-                f"{strategy!r} does not fit the {info.world_size} processes launched: {exc}"
+                f"{strategy!r} does not fit the {info.world_size} processes launched{hint}: {exc}"
             ) from None
         self.coords: dict[str, int] = self.topology.coords(info.rank)
         self.roles: frozenset[str] = self.topology.roles(info.rank)

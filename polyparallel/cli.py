@@ -201,13 +201,23 @@ def plugins(as_json: bool, show_all: bool, hook_name: str | None) -> None:
 @click.option("--trace-dir", type=click.Path(file_okay=False), default=None,
               help="every rank writes its collective trace here (read it with `polyparallel trace DIR`)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def launch(command: tuple[str, ...], **options: Any) -> None:
+@click.pass_context
+def launch(ctx: click.Context, command: tuple[str, ...], **options: Any) -> None:
     """Run SCRIPT [ARGS] in many processes (delegates to the runtime's launcher, e.g. torchrun).
 
     Every option is checked before any process starts. Multi-node jobs run the same command on
     every node with its own --node-rank and one shared --rdzv-endpoint (a host all nodes reach,
-    e.g. node 0's address, and a free port there).
+    e.g. node 0's address, and a free port there). Under srun (one task per node), --nnodes,
+    --node-rank and --rdzv-endpoint come from SLURM unless given.
     """
+    from ._slurm import launch_options
+
+    explicit = frozenset(name for name in ("nnodes", "node_rank", "rdzv_endpoint")
+                         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT)
+    try:
+        options = launch_options(options, explicit=explicit)
+    except PolyparallelError as exc:
+        raise click.ClickException(str(exc)) from None
     _check_launch_options(options)
     code = get_plugin_manager().call("polyparallel_launch_script", command=list(command), options=options)
     if code is None:

@@ -8,6 +8,7 @@
 #   bash tools/test.sh tests/core -k topology   # any pytest arguments (lint and types still run)
 #   POLYPARALLEL_SKIP_LANES=1 bash tools/test.sh   # without the extra lanes (oldest Lightning, XLA)
 #   POLYPARALLEL_SKIP_XLA=1 bash tools/test.sh     # without the XLA lane only (tools/test-xla.sh)
+#   POLYPARALLEL_SKIP_SLURM=1 bash tools/test.sh   # without the SLURM lane only (tools/test-slurm.sh)
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/env.sh" || exit 1
@@ -48,6 +49,13 @@ fi
 if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ] && [ "${POLYPARALLEL_SKIP_XLA:-0}" != 1 ]; then
     echo "== pytest (XLA lane: tools/test-xla.sh)"
     bash "$ROOT/tools/test-xla.sh" || failed+=(pytest-xla)
+fi
+# Lane: SLURM (a real slurmctld/slurmd/munged on this host, as root: it installs slurm-wlm and munge
+# with apt when missing and stops what it started), tools/test-slurm.sh: srun and sbatch jobs equal
+# `polyparallel launch`. Whole suite only; POLYPARALLEL_SKIP_LANES=1 or POLYPARALLEL_SKIP_SLURM=1 skips it.
+if [ "$whole_suite" = 1 ] && [ "${POLYPARALLEL_SKIP_LANES:-0}" != 1 ] && [ "${POLYPARALLEL_SKIP_SLURM:-0}" != 1 ]; then
+    echo "== pytest (SLURM lane: tools/test-slurm.sh)"
+    POLYPARALLEL_VENV="${POLYPARALLEL_VENV:-$ROOT/.venv}" bash "$ROOT/tools/test-slurm.sh" || failed+=(pytest-slurm)
 fi
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "tools/test.sh: failed: ${failed[*]}" >&2

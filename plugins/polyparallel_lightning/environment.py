@@ -31,7 +31,11 @@ __all__ = ["EnvironmentMixin", "environment_class", "launched_externally"]
 
 
 def launched_externally() -> bool:
-    """Whether a launcher other than Lightning's set this process's global rank and world size."""
+    """Whether a launcher other than Lightning's set this process's global rank and world size
+    (SLURM's ``srun`` included: its ranks are set in torchrun's names first, as the session does)."""
+    from polyparallel._slurm import adopt
+
+    adopt()
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
