@@ -254,6 +254,17 @@ class StrategyMixin(CheckpointMixin):
         return session
 
     # -- launch and process groups ---------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        """No launcher where the processes already exist (``pp.launch``, ``polyparallel launch``,
+        torchrun, SLURM): Lightning's script launcher would start none there anyway, and in an
+        interactive session (a notebook cell whose function ``pp.launch`` forks) Lightning refuses
+        every launcher not marked notebook-compatible, so the Trainer could not even be built."""
+        env = self.cluster_environment  # type: ignore[attr-defined]
+        if env is not None and env.creates_processes_externally:
+            self._launcher = None
+            return
+        super()._configure_launcher()  # type: ignore[misc]
+
     def set_world_ranks(self) -> None:
         """Lightning's ranks, then the topology checked against the world they make. Lightning's
         accelerator connector calls this when the Trainer is built, before it configures the

@@ -55,3 +55,16 @@ def test_the_fastai_notebook_fits_learners_on_two_processes_like_one():
     assert result["max_gap"] < 1e-5  # the recorder's values at data=2 equal a single process's
     assert result["saved_exists"] and result["saved_same"]
     assert "'accuracy': " in text and "saved: " in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_lightning_notebook_fits_trainers_on_two_processes_like_one():
+    pytest.importorskip("lightning")
+    text, result = _execute("lightning_launch.ipynb")
+    assert result["ranks"] == [0, 1] and result["world_sizes"] == [2, 2] and result["ranks_agree"]
+    assert result["steps"] == result["single_steps"] == 44  # 2 epochs of 22 full global batches of 64
+    assert result["max_gap"] < 1e-5  # the parameters at data=2 equal a single process's
+    assert result["val_accuracy"] == pytest.approx(result["single_val_accuracy"], abs=1e-6)
+    assert result["rows"] == result["single_rows"] == 360 and result["prediction_gap"] < 1e-5  # every row once, in order
+    assert "44 steps, train loss" in text and "360 rows predicted" in text
