@@ -24,7 +24,10 @@ def trace(directory: str, ranks: tuple[int, ...], last: int, as_json: bool) -> N
     """Show the collective traces in DIRECTORY (written by `polyparallel launch --trace-dir`,
     polyparallel.launch(trace_dir=) or POLYPARALLEL_TRACE_DIR): one line per rank (why its trace was
     written), then a table aligning the ranks' collectives by axis and sequence number, one column
-    per rank (`!` marks a row where the ranks differ or one is missing: the desync or the hang)."""
+    per rank (`!` marks a row where the ranks differ or one is missing: the desync or the hang; `u`
+    after the number: a collective that is not identity-checked, paired by its order on the axis).
+    The table fits in 100 columns: long operation names are cut (`...[n]`) and listed in full below
+    it, and ranks that do not fit are shown in several tables."""
 
     try:
         traces = _trace_report.read_dir(directory)
@@ -51,9 +54,8 @@ def trace(directory: str, ranks: tuple[int, ...], last: int, as_json: bool) -> N
                    f"collectives{dropped}; written at {why}")
     if absent:
         click.echo(f"no trace from rank(s) {absent} of {world}: killed before writing, or another directory")
-    header, rows = _trace_report.timeline(traces, last or None)
     click.echo("")
-    click.echo(table(header, rows))
+    click.echo("\n".join(_trace_report.timeline_text(traces, last or None)))
     for rank in ranks:
         click.echo(f"\nrank {rank}:")
         entries = traces[rank]["entries"]

@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["describe_group", "entry_problem", "label", "location", "read_dir", "timeline", "rank_ranges"]
+from ._text import table
+
+__all__ = ["describe_group", "entry_problem", "label", "location", "read_dir", "timeline", "timeline_text", "rank_ranges",
+           "LEGEND", "WIDTH"]
 
 _OPEN = ("entered", "running")
 
@@ -204,11 +208,25 @@ def _read_trace_file(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def timeline(traces: Mapping[int, Mapping[str, Any]], last: int | None = None) -> tuple[list[str], list[list[str]]]:
-    """A table aligning the ranks' collectives: one row per (axis, sequence number) — checked
-    collectives — or per unchecked collective in order, one column per rank holding
-    ``operation state (file:line)``; rows where the ranks differ are marked ``!``. The time column
-    is seconds since the earliest entry of any rank. ``last``: only the last N rows."""
+WIDTH = 100
+"""Columns ``polyparallel trace``'s table fits in (:func:`timeline_text`)."""
+
+LEGEND = ("!: the ranks differ in this row, or one has no entry (the desync or the hang); "
+          "# is the sequence number on the axis, checked on every rank; "
+          "u after it: not identity-checked, paired by its order on the axis (the N-th unchecked call on that "
+          "axis of each rank); -: no entry from that rank; [entered] waits for the peers, [running] moves the "
+          "payload, [failed] failed (no mark: done); a narrow column leaves out the time and the framework's frame "
+          "(--rank R shows them); ...[n]: cut to fit, in full below the table.")
+"""What the marks of :func:`timeline`'s table mean (printed under it)."""
+
+_RANK_MIN = 20  # the narrowest rank column before the ranks are split into several tables
+
+
+def _rows(traces: Mapping[int, Mapping[str, Any]], last: int | None
+          ) -> tuple[list[int], list[tuple[list[str], dict[int, tuple[str, str, str, str, str]]]]]:
+    """``(ranks, rows)``: each row is its fixed cells (mark, time, axis, number) and, per rank
+    present, the parts of its cell: ``(operation, " [state]", " 1.0ms", "file:line", " via
+    file:line")`` (empty strings where absent)."""
     ranks = sorted(traces)
     rows: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
     unchecked: dict[tuple[int, str], int] = {}
@@ -224,20 +242,88 @@ def timeline(traces: Mapping[int, Mapping[str, Any]], last: int | None = None) -
     ordered = sorted(rows.items(), key=lambda kv: min(e["t0"] for e in kv[1].values()))
     if last is not None:
         ordered = ordered[-last:]
-    header = ["", "t (s)", "axis", "#", *(f"rank {r}" for r in ranks)]
-    table = []
+    out = []
     for (axis, seq, kind), row in ordered:
         ops = {(e["operation"], e.get("detail")) for e in row.values()}
         differs = len(ops) > 1 or len(row) != len(ranks)
-        cells = []
-        for rank in ranks:
-            e = row.get(rank)
-            if e is None:
-                cells.append("-")
-                continue
+        cells = {}
+        for rank, e in row.items():
             took = f" {1e3 * (e['t1'] - e['t0']):.1f}ms" if e.get("t1") else ""
             state = "" if e["state"] == "done" else f" [{e['state']}]"
-            cells.append(f"{e['operation']}{state}{took} ({location(e)})")
+            user, _, via = location(e).partition(" via ")
+            cells[rank] = (e["operation"], state, took, user, f" via {via}" if via else "")
         t0 = min(e["t0"] for e in row.values()) - t_min
-        table.append(["!" if differs else "", f"{t0:.3f}", axis, f"{seq}{'u' if kind else ''}", *cells])
-    return header, table
+        out.append((["!" if differs else "", f"{t0:.3f}", axis, f"{seq}{'u' if kind else ''}"], cells))
+    return ranks, out
+
+
+def timeline(traces: Mapping[int, Mapping[str, Any]], last: int | None = None) -> tuple[list[str], list[list[str]]]:
+    """A table aligning the ranks' collectives: one row per (axis, sequence number) — checked
+    collectives — or per unchecked collective in order (``#`` ``3u``: the third unchecked one on
+    that axis), one column per rank holding ``operation state (file:line)``; rows where the ranks
+    differ are marked ``!``. The time column is seconds since the earliest entry of any rank.
+    ``last``: only the last N rows. Cells are in full: :func:`timeline_text` fits them in a width."""
+    ranks, rows = _rows(traces, last)
+    header = ["", "t (s)", "axis", "#", *(f"rank {r}" for r in ranks)]
+    return header, [[*fixed, *(_cell(*cells[r]) if r in cells else "-" for r in ranks)] for fixed, cells in rows]
+
+
+def _cell(op: str, state: str, took: str, user: str, via: str) -> str:
+    return f"{op}{state}{took} ({user}{via})"
+
+
+def timeline_text(traces: Mapping[int, Mapping[str, Any]], last: int | None = None, width: int = WIDTH) -> list[str]:
+    """:func:`timeline` as lines of at most ``width`` characters (``polyparallel trace``).
+
+    A cell too long for its column leaves out the framework's frame (``via fit_loop.py:301``),
+    then the time (``--rank R`` shows both); if still too long, it keeps its state and
+    ``file:line`` and cuts the operation's name, marked ``...[n]``, and the full cells are listed
+    under the table as ``[n] ...`` (one number per distinct text); then :data:`LEGEND`. Each rank column is at least 20
+    characters wide: when the ranks do not fit so, they are split into several tables of as many
+    ranks as fit (4 ranks of long names in 100 columns: ranks 0-1, then ranks 2-3), each with
+    the same rows. An axis name longer than 12 characters is cut the same way. The notes under
+    the table are not cut (they hold the full text).
+    """
+    ranks, rows = _rows(traces, last)
+    notes: dict[str, int] = {}
+
+    def fit(w: int, op: str, state: str = "", took: str = "", user: str = "", via: str = "") -> str:
+        # the framework's frame goes first, then the time (both in --rank R), then the name is cut
+        full = _cell(op, state, took, user, via) if user else op
+        for text in (full, _cell(op, state, took, user, "") if user else op, _cell(op, state, "", user, "") if user
+                     else op):
+            if len(text) <= w:
+                return text
+        n = notes.setdefault(full, len(notes) + 1)
+        mark = f"...[{n}]"
+        rest = f"{state} ({user})" if user else ""
+        room = w - len(rest) - len(mark)
+        if room >= 8:
+            return op[:room] + mark + rest
+        short = _cell(op, state, "", user, "") if user else op
+        return short[:max(w - len(mark), 1)] + mark
+
+    axis_w = min(12, max([4, *(len(fixed[2]) for fixed, _ in rows)]))
+    fixed_rows = [[f[0], f[1], fit(axis_w, f[2]), f[3]] for f, _ in rows]
+    fixed_w = [max([len(h), *(len(f[i]) for f in fixed_rows)]) for i, h in enumerate(["", "t (s)", "axis", "#"])]
+    room = width - sum(w + 2 for w in fixed_w)
+    natural = max([len(f"rank {r}") for r in ranks] + [len(_cell(*c)) for _, cells in rows for c in cells.values()],
+                  default=0)
+    per_table = len(ranks) if (natural + 2) * len(ranks) <= room + 2 else max(1, (room + 2) // (_RANK_MIN + 2))
+    chunks = -(-len(ranks) // per_table) if ranks else 1
+    size = -(-len(ranks) // chunks) if ranks else 0
+    lines: list[str] = []
+    for c in range(chunks):
+        group = ranks[c * size:(c + 1) * size]
+        w = max(_RANK_MIN, (room + 2) // max(len(group), 1) - 2)
+        body = [[*fixed, *(fit(w, *cells[r]) if r in cells else "-" for r in group)]
+                for fixed, (_, cells) in zip(fixed_rows, rows)]
+        if c:
+            lines.append("")
+        lines.extend(table(["", "t (s)", "axis", "#", *(f"rank {r}" for r in group)], body).splitlines())
+    if notes:
+        lines.append("")
+        lines.extend(f"[{n}] {text}" for text, n in notes.items())
+    lines.append("")
+    lines.extend(textwrap.wrap(LEGEND, width))
+    return lines

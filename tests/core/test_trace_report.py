@@ -130,3 +130,32 @@ def test_trace_refuses_a_negative_row_count(tmp_path, bad):
     _write(tmp_path, 0, [])
     result = CliRunner().invoke(cli, ["trace", str(tmp_path), "--last", bad])
     assert result.exit_code != 0 and "expected 0 (all) or more rows" in result.output
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_trace_fits_long_operation_names_in_100_columns_and_lists_them_in_full_below(tmp_path, world):
+    long_op = "reduce_metrics[" + "train/loss_of_a_lightning_metric_key_" * 4 + "]"  # ~165 characters
+    assert len(long_op) >= 150
+    for rank in range(world):
+        _write(tmp_path, rank, [_entry("init_process_group", None, "done", 5, axis="world", t0=1.0),
+                                _entry(long_op, 1, "done", 40, t0=2.0),
+                                _entry(f"{long_op}{rank}", 2, "entered", 63, t0=3.0)], world_size=world)
+    result = CliRunner().invoke(cli, ["trace", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    out = result.output.splitlines()
+    table_end = next(i for i, line in enumerate(out) if line.startswith("[1] "))
+    assert all(len(line) <= 100 for line in out[:table_end]), "\n".join(out)
+    assert all(len(line) <= 100 for line in out if not line.startswith("["))
+    below = out[table_end:]
+    notes = {line.partition("] ")[2] for line in below if line.startswith("[")}
+    assert f"{long_op} 10.0ms (train.py:40)" in notes
+    for rank in range(world):
+        assert f"{long_op}{rank} [entered] (train.py:63)" in notes, rank
+        assert any(f"rank {rank}" in line for line in out[:table_end])
+    assert sum(line.count("...[") for line in out[:table_end]) >= 2 * world  # each long cell cut, keyed to a note
+    legend = " ".join(below)
+    assert "u after it: not identity-checked, paired by its order on the axis" in legend
+    assert "!: the ranks differ" in legend
+    # the rows themselves are unchanged: one per sequence number, the unchecked one marked 1u
+    header, rows = _trace_report.timeline(_trace_report.read_dir(str(tmp_path)))
+    assert [r[3] for r in rows] == ["1u", "1", "2"] and rows[1][4] == f"{long_op} 10.0ms (train.py:40)"
