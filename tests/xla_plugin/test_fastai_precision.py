@@ -21,7 +21,8 @@ from polyparallel.testing import reference_data  # noqa: E402
 from polyparallel_fastai.testing import make_learner, single_process_order  # noqa: E402
 from polyparallel_xla.testing import install_ordered_sync  # noqa: E402
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+# Slow (~40 s): the XLA lane runs the default suite; test_precision.py is its bf16 test.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
 N_TRAIN, N_VALID, GLOBAL, EPOCHS, SEED = 40, 8, 8, 2, 5
 BF16_ATOL = 2.5e-3
