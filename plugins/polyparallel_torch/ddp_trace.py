@@ -11,8 +11,8 @@ backward (the hook of bucket 0, the first DDP reduces), it runs the runtime's id
 the data group (:meth:`~polyparallel_torch.identity_checks.CheckedCollectives.check`: one int64
 all-reduce of a hash of the operation, its sequence number and bucket 0's numel and dtype), the
 same check every polyparallel operation makes, so an out-of-step operation fails at once on both
-ranks naming both sides ("reduce (self.log sync_dist=True) #1 on rank 0 vs DDP gradient all-reduce
-#1 on rank 1"), and a silent peer makes the check time out with the hang report. The check is made
+ranks naming both sides ("self.log('only0', sync_dist=True) #1 on rank 0 vs DDP gradient
+all-reduce #1 on rank 1"), and a silent peer makes the check time out with the hang report. The check is made
 once per backward, not per bucket (DDP reduces its buckets in the same order on every rank), and
 follows ``GradPolicy(check=)``: with ``check=False`` the backward is only recorded. One trace
 entry covers the backward's buckets (its detail says the latest bucket: ``bucket 3: 1049600

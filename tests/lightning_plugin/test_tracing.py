@@ -115,10 +115,11 @@ def test_a_sync_dist_log_of_one_rank_against_ddps_bucket_all_reduce_names_both_s
     headline = message.splitlines()[0]
     assert "operations out of step over the 'data' axis" in headline, message
     # Either rank's report (both fail at once, each naming both sides).
-    reduce, ddp = r"reduce \(self\.log sync_dist=True\) #\d+ on rank 0", r"DDP gradient all-reduce #\d+ on rank 1"
+    reduce, ddp = r"self\.log\('only0', sync_dist=True\) #\d+ on rank 0", r"DDP gradient all-reduce #\d+ on rank 1"
     assert re.search(f"{reduce} vs {ddp}|{ddp} vs {reduce}", headline), message
     assert "rank 1: DDP gradient all-reduce" in message and "(bucket 0: " in message, message  # its bucket
-    assert "rank 0: reduce (self.log sync_dist=True)" in message, message
-    # (Where rank 0 logged: torchmetrics' frame today; the user's line is the metric-key work's.)
+    assert "rank 0: self.log('only0', sync_dist=True)" in message, message
+    # Where rank 0 logged: the user's self.log line (not Lightning's or torchmetrics' frame).
+    assert f"test_tracing.py:{source_line(_log_on_rank_zero_only, 'only0: rank 0 logs')}" in headline, message
     assert "Timed out" not in headline, message
     assert took < 20 + 15, took  # the two processes' start (Lightning, torch) and the failure, not the 20 s timeout
