@@ -1,4 +1,5 @@
-"""A real SLURM (tools/test-slurm.sh starts it): srun and sbatch jobs equal `polyparallel launch`."""
+"""A real SLURM (tools/test-slurm.sh starts it): srun and sbatch jobs equal `polyparallel launch`
+(plain torch, and the Lightning and Ignite adapters)."""
 
 import json
 import os
