@@ -1,4 +1,5 @@
-"""A real SLURM (tools/test-slurm.sh starts it): srun and sbatch jobs equal `polyparallel launch`."""
+"""A real SLURM (tools/test-slurm.sh starts it): srun and sbatch jobs equal `polyparallel launch`
+(plain torch, and the Lightning and Ignite adapters)."""
 
 import json
 import os
@@ -15,6 +16,8 @@ pytestmark = [pytest.mark.multiprocess,
 
 HERE = Path(__file__).resolve().parent
 TORCH = HERE / "train_torch.py"
+LIGHTNING = HERE / "train_lightning.py"
+IGNITE = HERE / "train_ignite.py"
 
 
 def _rows(command, limit=150):
@@ -45,18 +48,38 @@ def test_srun_four_tasks_equal_polyparallel_launch():
     _same(got, _launch(4, str(TORCH), "2"))
 
 
-@pytest.mark.timeout(200)
-def test_sbatch_two_tasks_equal_polyparallel_launch(tmp_path):
+def _sbatch_two_tasks(tmp_path, script_path):
+    """An ``sbatch --wait`` job of 2 tasks on one node (``srun`` in the batch script): its rows."""
     out = tmp_path / "job.out"
     script = tmp_path / "job.sh"
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --output={out}\n"
-                      f"srun {sys.executable} {TORCH}\n")
+                      f"srun {sys.executable} {script_path}\n")
     done = subprocess.run(["sbatch", "--wait", str(script)], capture_output=True, text=True, timeout=180)
     text = out.read_text() if out.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + text
     got = sorted((json.loads(m) for m in re.findall(r"RESULT (\{.*\})", text)), key=lambda r: r["rank"])
-    assert [(r["rank"], r["world"]) for r in got] == [(0, 2), (1, 2)]
-    _same(got, _launch(2, str(TORCH)))
+    assert [(r["rank"], r["world"], r["slurm"]) for r in got] == [(0, 2, "0"), (1, 2, "1")], text[-3000:]
+    return got
+
+
+@pytest.mark.timeout(200)
+def test_sbatch_two_tasks_equal_polyparallel_launch(tmp_path):
+    _same(_sbatch_two_tasks(tmp_path, TORCH), _launch(2, str(TORCH)))
+
+
+@pytest.mark.timeout(200)
+def test_lightning_sbatch_two_tasks_equal_polyparallel_launch(tmp_path):
+    pytest.importorskip("lightning")
+    got = _sbatch_two_tasks(tmp_path, LIGHTNING)
+    # The adapter's cluster environment, not Lightning's SLURMEnvironment (which it picks on its own under srun).
+    assert "SLURMEnvironment" not in {r["environment"] for r in got}, got
+    _same(got, _launch(2, str(LIGHTNING)))
+
+
+@pytest.mark.timeout(200)
+def test_ignite_sbatch_two_tasks_equal_polyparallel_launch(tmp_path):
+    pytest.importorskip("ignite")
+    _same(_sbatch_two_tasks(tmp_path, IGNITE), _launch(2, str(IGNITE)))
 
 
 @pytest.mark.timeout(200)
