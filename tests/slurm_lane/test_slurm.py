@@ -93,7 +93,9 @@ def test_one_launcher_per_node_under_srun():
 @pytest.mark.timeout(120)
 def test_contradicting_ranks_are_refused_before_any_collective():
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2"}
-    done = subprocess.run(["srun", "-n", "2", sys.executable, str(TORCH)], capture_output=True, text=True, env=env,
-                          timeout=100)
+    # --kill-on-bad-exit: task 1's refusal ends the step (task 0's ranks agree, so without it task 0
+    # would wait for its peer until the rendezvous timeout).
+    done = subprocess.run(["srun", "--kill-on-bad-exit=1", "-n", "2", sys.executable, str(TORCH)], capture_output=True,
+                          text=True, env=env, timeout=100)
     assert done.returncode != 0
     assert "two launchers disagree on its rank" in done.stderr
