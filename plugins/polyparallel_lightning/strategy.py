@@ -105,6 +105,20 @@ _FROM_STRATEGY = {"cluster_environment": "the launch (polyparallel's own environ
                   "data_parallel_size": "Strategy(data=...)", "tensor_parallel_size": "Strategy(tensor=...)"}
 
 
+_LAUNCHING_NOTHING: dict[type, type] = {}
+
+
+def _launching_nothing(script_launcher: type) -> type:
+    """Lightning's ``_SubprocessScriptLauncher`` (of one namespace), marked interactive-compatible:
+    used only where the cluster environment creates the processes, so it starts none and only
+    calls the function (Lightning's notebook check is about starting processes from a notebook)."""
+    if script_launcher not in _LAUNCHING_NOTHING:
+        _LAUNCHING_NOTHING[script_launcher] = type(script_launcher.__name__, (script_launcher,), {
+            "__doc__": _launching_nothing.__doc__, "__module__": __name__,
+            "is_interactive_compatible": property(lambda self: True)})
+    return _LAUNCHING_NOTHING[script_launcher]
+
+
 class StrategyMixin(CheckpointMixin):
     """The polyparallel behaviour shared by the adapter's Lightning strategies (module docstring).
 
@@ -255,15 +269,17 @@ class StrategyMixin(CheckpointMixin):
 
     # -- launch and process groups ---------------------------------------------------------------------
     def _configure_launcher(self) -> None:
-        """No launcher where the processes already exist (``pp.launch``, ``polyparallel launch``,
-        torchrun, SLURM): Lightning's script launcher would start none there anyway, and in an
-        interactive session (a notebook cell whose function ``pp.launch`` forks) Lightning refuses
-        every launcher not marked notebook-compatible, so the Trainer could not even be built."""
-        env = self.cluster_environment  # type: ignore[attr-defined]
-        if env is not None and env.creates_processes_externally:
-            self._launcher = None
-            return
+        """Lightning's launcher; where the processes already exist (``pp.launch``, ``polyparallel
+        launch``, torchrun, SLURM) its script launcher starts none and only calls the function (after
+        validating the settings and choosing the CPU threads per process), which works in an
+        interactive session too: it is marked so (:func:`_launching_nothing`). Otherwise, in a
+        notebook cell whose function ``pp.launch`` forks, Lightning refuses every launcher not marked
+        notebook-compatible, and the Trainer could not even be built."""
         super()._configure_launcher()  # type: ignore[misc]
+        env, launcher = self.cluster_environment, self._launcher  # type: ignore[attr-defined]
+        if (env is not None and env.creates_processes_externally and launcher is not None
+                and type(launcher).__name__ == "_SubprocessScriptLauncher"):
+            launcher.__class__ = _launching_nothing(type(launcher))
 
     def set_world_ranks(self) -> None:
         """Lightning's ranks, then the topology checked against the world they make. Lightning's
