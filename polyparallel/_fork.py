@@ -25,6 +25,8 @@ def forget_parent() -> None:
     _manager._default_lock = threading.Lock()  # another thread of the parent may have held it
     _trace._RECORDER = None
     _trace._ATEXIT = False
+    _trace._SCOPES = []  # the parent's replica threads are not this process's
+    _trace._SCOPES_LOCK = threading.Lock()
 
 
 def run_exit_handlers() -> None:

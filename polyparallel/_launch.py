@@ -70,8 +70,9 @@ def launch(
         (``rank<r>.jsonl``: the last collectives it issued, with their callers) when a collective
         fails and when it exits; read it with ``polyparallel trace DIR``. ``None``: not written
         (``POLYPARALLEL_TRACE_DIR`` in the environment does the same for any process). Only a
-        runtime that records its collectives (feature ``"collective_trace"``: torch) takes it; for
-        another one (JAX, XLA) it is refused with a ``TypeError`` before any process starts.
+        runtime that records its collectives (feature ``"collective_trace"``: torch, JAX, XLA, one file
+        per XLA replica) takes it; for another one it is refused with a ``TypeError`` before any
+        process starts.
     :raises NoPluginError: no runtime is installed (with the extra to install), or the runtime
         cannot start processes.
     """
@@ -143,7 +144,7 @@ def launch(
     if trace_dir is not None and _trace.FEATURE not in pm.runtimes()[chosen].features:
         raise TypeError(f"launch(trace_dir={trace_dir!r}): the {chosen!r} runtime does not record its collectives "
                         f"(its capabilities lack the {_trace.FEATURE!r} feature), so no trace would be written. "
-                        "Drop trace_dir=, or use a runtime that records (torch).")
+                        "Drop trace_dir=, or use a runtime that records (torch, JAX, XLA).")
     _routing.check_batch(strategy.data_policy, topology, f"launch({strategy!r}, nprocs={nprocs})", strategy.accumulate)
     args, kwargs = tuple(args), dict(kwargs or {})
     # Here, not in a half-started job: the processes get them pickled. What an interactive

@@ -102,26 +102,32 @@ def session_scope(key: Hashable) -> Iterator[SessionScope]:
     inside belong to this scope (not to the process) and are closed when the block ends.
 
     A runtime's launcher enters it at the start of each replica thread (``key``: the rank); user
-    code never needs it. Nesting is refused: a thread is one rank.
+    code never needs it. Nesting is refused: a thread is one rank. The block's collectives are
+    recorded in a trace of its own (:func:`polyparallel._trace.scope`: the rank's
+    ``rank<r>.jsonl``, not the process's), written when the block ends.
     """
+    from . import _trace
+
     if _SCOPE.get() is not None:
         raise RuntimeError(f"session_scope({key!r}) inside {_SCOPE.get()!r}: a thread runs one rank, "
                            "so scopes do not nest.")
-    scope = SessionScope(key)
-    token = _SCOPE.set(scope)
-    failed = False
-    try:
-        yield scope
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        _SCOPE.reset(token)
+    rank = key if isinstance(key, int) and not isinstance(key, bool) else None
+    with _trace.scope(rank):  # outside the sessions: their closing is recorded, then the trace is written
+        scope = SessionScope(key)
+        token = _SCOPE.set(scope)
+        failed = False
         try:
-            scope.close()
-        except Exception:
-            if not failed:  # the block's own error is the one to report
-                raise
+            yield scope
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            _SCOPE.reset(token)
+            try:
+                scope.close()
+            except Exception:
+                if not failed:  # the block's own error is the one to report
+                    raise
 
 
 class Session:

@@ -31,7 +31,6 @@ import os
 import sys
 import threading
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -45,15 +44,11 @@ __all__ = ["SideChannel", "start", "release", "set_outcome", "outcome_of", "hang
 
 POLL_S = 0.2
 """How often each rank's thread looks for a request (seconds)."""
-STACK_FRAMES = 12
+STACK_FRAMES = _trace.STACK_FRAMES
 """Innermost frames of a rank's stack shown in a report."""
 
 
-def _stack_of(ident: int | None) -> str | None:
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    if frame is None:
-        return None
-    return "".join(traceback.format_list(traceback.extract_stack(frame)[-STACK_FRAMES:]))
+_stack_of = _trace._stack_of  # the stack of a rank's collectives thread (the core's, shared with the XLA runtime)
 
 
 _MISSING = b"\0polyparallel: no such key"
@@ -252,24 +247,8 @@ def _share_key(runtime: Any) -> bytes:
 _SHARED: dict[str, Any] = {"channel": None, "users": 0, "key": None, "outcome": None}
 
 
-def outcome_of(exc: BaseException | None) -> str:
-    """How the rank's work ended, for its peers' reports: ``"finished"``, or ``"failed in
-    training_step (train.py:42) with ValueError"`` (the innermost frame of the traceback outside
-    polyparallel and the frameworks it drives, else the innermost one)."""
-    if exc is None:
-        return "finished"
-    frames = [(tb.tb_frame, tb.tb_lineno) for tb in _walk(exc.__traceback__)]
-    own = [f for f in frames if f[0].f_globals.get("__name__", "").partition(".")[0] not in _trace.NOT_USER
-           and not f[0].f_globals.get("__name__", "").startswith(_trace.OWN)]
-    frame, line = (own or frames or [(None, 0)])[-1]
-    where = "" if frame is None else f" in {frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{line})"
-    return f"failed{where} with {type(exc).__name__}"[:300]
-
-
-def _walk(tb: Any) -> Any:
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
+outcome_of = _trace.outcome_of
+"""How the rank's work ended, for its peers' reports (:func:`polyparallel._trace.outcome_of`)."""
 
 
 def set_outcome(exc: BaseException | None) -> None:

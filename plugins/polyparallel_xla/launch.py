@@ -12,6 +12,10 @@ waits for the supervisor (killing its process group after ``timeout``) and retur
 by rank, or raises :class:`polyparallel.LaunchError` with the root cause: the earliest failure
 that is not a collective failure, with its traceback, and one line per other failed rank.
 
+``launch(trace_dir=)`` reaches the replicas as ``POLYPARALLEL_TRACE_DIR``: each replica's session
+scope records its own rank's trace (:func:`polyparallel._trace.scope`) and writes
+``rank<r>.jsonl`` there when the replica ends (and when a host check fails).
+
 On PJRT CPU (``PJRT_DEVICE=CPU``: the replicas are threads of the supervisor) the launch applies
 what such replicas need (:mod:`.cpu`, pytorch/xla issue 9089): the supervisor's environment gets
 :data:`.cpu.CPU_ENV`'s settings where the user set none, and each replica installs the ordered
@@ -65,8 +69,11 @@ def _check_devices(nprocs: int) -> None:
 
 
 def launch_function(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kwargs: dict,
-                    timeout: float | None) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` XLA replicas; the results by rank."""
+                    timeout: float | None, trace_dir: str | None = None) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` XLA replicas; the results by rank. With
+    ``trace_dir``, every replica writes its collective trace there (``rank<r>.jsonl``: each
+    replica thread has its own, :func:`polyparallel._trace.scope`) when a host check or
+    collective fails and when the replica ends."""
     from polyparallel._payload import inspect_payload, refuse_interactive
 
     _check_devices(nprocs)
@@ -84,6 +91,8 @@ def launch_function(fn: Any, strategy: pp.Strategy, nprocs: int, args: tuple, kw
             pickle.dump((fn, strategy, nprocs, args, kwargs), f)
         # The supervisor imports what the parent can import (a test module's function, say).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if trace_dir is not None:  # every recorder of the replicas' process(es) writes there
+            env["POLYPARALLEL_TRACE_DIR"] = os.path.abspath(trace_dir)
         if cpu.on_pjrt_cpu(env):  # what replica threads on PJRT CPU need (pytorch/xla#9089): see cpu.py
             env = cpu.launch_env(env)
         log_path = os.path.join(directory, "output.log")

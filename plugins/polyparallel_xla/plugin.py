@@ -21,7 +21,9 @@ __all__: list[str] = []
 RUNTIME = "xla"
 
 CAPABILITIES = pp.Capabilities(
-    RUNTIME, axes={"data"}, features={"xla_collectives", "mp_device_loader", "host_identity_checks", "timeouts"},
+    # collective_trace: every host check and XLA all-reduce is recorded, per replica (runtime.py).
+    RUNTIME, axes={"data"}, features={"xla_collectives", "mp_device_loader", "host_identity_checks", "timeouts",
+                                      "collective_trace"},
     imports={"torch_xla"}, backends={"xla"}, priority=5,
     # Strategy(precision=): the torch runtime's mechanism on the XLA device (polyparallel_torch.precision,
     # from ops.wrap_model): bf16-mixed autocasts forward on "xla", bf16-true casts the parameters.
@@ -140,7 +142,7 @@ def polyparallel_sync_states(strategy: pp.Strategy, session: pp.Session, states:
 
 @hookimpl
 def polyparallel_launch(fn: Any, strategy: pp.Strategy, runtime: str, nprocs: int, args: tuple, kwargs: dict,
-                        timeout: float | None) -> list[Any] | None:
+                        timeout: float | None, trace_dir: str | None) -> list[Any] | None:
     from .launch import launch_function
 
-    return launch_function(fn, strategy, nprocs, args, kwargs, timeout)
+    return launch_function(fn, strategy, nprocs, args, kwargs, timeout, trace_dir)

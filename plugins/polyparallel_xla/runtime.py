@@ -27,6 +27,16 @@ naming both sides. The XLA collective itself runs only once every rank of the gr
 announced the same operation. What stays unbounded: a peer that dies *between* the check and the
 collective (XLA's own behaviour then applies), and collectives users issue themselves.
 After a failure the runtime is broken and refuses every later operation.
+
+**Trace.** Every host check and every XLA all-reduce is recorded in the replica's collective
+trace (:mod:`polyparallel._trace`): the replica's own recorder (each replica thread runs in its
+own :func:`polyparallel.session_scope`, which has one), so a trace file is one rank. A check is an
+entry with its operation, axis, sequence number, descriptor and the user's line; each XLA
+all-reduce after it an entry ``"<operation>: XLA all-reduce"`` without a sequence number. The
+check's descriptor carries the caller's line, so ranks out of step are told where each side was
+called. A check that times out names what every peer replica of this process is doing (read from
+its recorder: its open or last entry, or its stack when it is outside any) and writes every
+replica's trace; a peer in another process (TPU hosts) is named as not having reached the check.
 """
 
 from __future__ import annotations
@@ -39,6 +49,9 @@ from typing import Any
 import torch
 
 import polyparallel as pp
+from polyparallel import _trace
+from polyparallel._errors import exception_summary
+from polyparallel._trace_report import describe_group, location
 
 __all__ = ["HostChannel", "XlaRuntime", "get_runtime", "runtime_key"]
 
@@ -58,14 +71,16 @@ MAX_ENTRY = 16 * 1024 * 1024
 
 
 def _entry_problem(value: Any) -> str | None:
-    """Why a decoded entry is not ``[[operation, detail, refusal or null], extra]`` (``extra``:
-    ``null`` or a list of booleans, integers and strings), or ``None``."""
+    """Why a decoded entry is not ``[[operation, detail, refusal or null, caller], extra]``
+    (``caller``: ``file.py:line``; ``extra``: ``null`` or a list of booleans, integers and
+    strings), or ``None``."""
     if not isinstance(value, list) or len(value) != 2:
         return "an entry is [descriptor, extra]"
     descriptor, extra = value
-    if (not isinstance(descriptor, list) or len(descriptor) != 3 or not isinstance(descriptor[0], str)
-            or not isinstance(descriptor[1], str) or not isinstance(descriptor[2], (str, type(None)))):
-        return "a descriptor is [operation, detail, refusal or null] (texts)"
+    if (not isinstance(descriptor, list) or len(descriptor) != 4 or not isinstance(descriptor[0], str)
+            or not isinstance(descriptor[1], str) or not isinstance(descriptor[2], (str, type(None)))
+            or not isinstance(descriptor[3], str)):
+        return "a descriptor is [operation, detail, refusal or null, caller] (texts)"
     if extra is not None and (not isinstance(extra, list)
                               or not all(isinstance(x, (bool, int, str)) for x in extra)):
         return "the extra value is null or a list of booleans, integers and texts"
@@ -79,7 +94,7 @@ class HostChannel:
     writes its own entry, waits (bounded) for its group's, and deletes its previous entry once
     every peer has written the next one (a peer that wrote entry ``s + 1`` has read entry ``s``).
 
-    Entries are JSON (``[[operation, detail, refusal], extra]``), checked when read: the store of
+    Entries are JSON (``[[operation, detail, refusal, caller], extra]``), checked when read: the store of
     a multi-process job is a ``TCPStore`` anyone who reaches ``MASTER_PORT`` can write to, so a
     value of another shape is refused (:class:`polyparallel.CollectiveError` naming the rank and
     the key), never executed or trusted.
@@ -90,8 +105,8 @@ class HostChannel:
         self.timeout = float(timeout)
 
     def exchange(self, tag: str, seq: int, rank: int, ranks: Sequence[int],
-                 value: tuple[tuple[str, str, str | None], list[Any] | None]) -> dict[int, Any] | list[int]:
-        """Publish ``value`` (a descriptor ``(operation, detail, refusal)`` and a list or ``None``)
+                 value: tuple[tuple[str, str, str | None, str], list[Any] | None]) -> dict[int, Any] | list[int]:
+        """Publish ``value`` (a descriptor ``(operation, detail, refusal, caller)`` and a list or ``None``)
         under ``tag``/``seq`` and return every rank's value by rank (the descriptor as a tuple), or
         the ranks whose value did not arrive within the timeout."""
         import datetime
@@ -108,7 +123,7 @@ class HostChannel:
             self.store.delete_key(f"{tag}/{seq - 1}/{rank}")
         return values
 
-    def _read(self, key: str, writer: int, me: int) -> tuple[tuple[str, str, str | None], list[Any] | None]:
+    def _read(self, key: str, writer: int, me: int) -> tuple[tuple[str, str, str | None, str], list[Any] | None]:
         raw = self.store.get(key)
         problem = f"{len(raw)} bytes (at most {MAX_ENTRY})" if len(raw) > MAX_ENTRY else None
         if problem is None:
@@ -181,6 +196,10 @@ class XlaRuntime:
         self.broken: str | None = None
         self.closed = False
         self._seq: dict[str, int] = {}
+        # This replica's trace: its session scope's recorder (a replica thread), else the process's.
+        self.recorder = _trace.get_recorder()
+        if self.recorder is not None:
+            self.recorder.rank, self.recorder.world_size = self.rank, self.world_size
 
     def close(self) -> None:
         """Drop the runtime (XLA devices need no teardown; the store is shared)."""
@@ -230,27 +249,66 @@ class XlaRuntime:
                 raise TypeError(refusal)
             return {self.rank: extra}
         seq = self._seq[axis] = self._seq.get(axis, 0) + 1
-        mine = (operation, detail, refusal)
+        entry = self.recorder.enter(operation, axis, seq, detail, skip=2) if self.recorder is not None else None
+        mine = (operation, detail, refusal, _where(entry))
         tag = f"{axis}/{ranks[0]}"
-        got = self.channel.exchange(tag, seq, self.rank, ranks, (mine, extra))
         name = f"{operation} #{seq}"
+        try:
+            got = self.channel.exchange(tag, seq, self.rank, ranks, (mine, extra))
+        except Exception as exc:  # a value polyparallel did not write, or the store failed
+            self._failed(entry, exception_summary(exc), f"{name} over the {axis!r} axis failed on rank {self.rank}: "
+                         f"{exception_summary(exc)}")
+            raise
         if isinstance(got, list):
+            summary, details = self._hang_report(axis, ranks, got)
             message = (f"{name} over the {axis!r} axis did not complete within the strategy's timeout of "
-                       f"{self.timeout_s:g} s on rank {self.rank} (group ranks {ranks}): rank(s) {got} never reached "
-                       f"it. Every rank of the group must call {operation}; a rank that skipped it is one operation "
-                       "behind. No XLA collective was issued.")
-            self.mark_broken(message)
+                       f"{self.timeout_s:g} s on rank {self.rank} (group ranks {ranks}): "
+                       f"{summary or f'rank(s) {got} never reached it'}. Every rank of the group must call "
+                       f"{operation}; a rank that skipped it is one operation behind. No XLA collective was issued."
+                       + details)
+            self.mark_broken(message.splitlines()[0])
+            self._failed(entry, f"CollectiveTimeout: {message.splitlines()[0]}", message.splitlines()[0], peers=True)
             raise pp.CollectiveTimeout(message, operation=operation, axis=axis, rank=self.rank)
         others = {r: v[0] for r, v in got.items()}
-        if any(d != mine for d in others.values()):
+        if any(d[:3] != mine[:3] for d in others.values()):
             message = _mismatch_message(self.rank, name, mine, others, axis, ranks)
             self.mark_broken(message.splitlines()[0])
+            self._failed(entry, f"{'TypeError' if refusal is not None else 'CollectiveError'}: "
+                         f"{message.splitlines()[0]}", message.splitlines()[0])
             if refusal is not None:
                 raise TypeError(f"{refusal}\n{message}")
             raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank)
         if refusal is not None:
+            _trace.Recorder.finish(entry, f"refused: {refusal}")
             raise TypeError(refusal)
+        _trace.Recorder.finish(entry)
         return {r: v[1] for r, v in got.items()}
+
+    def _failed(self, entry: _trace.Entry | None, error: str, reason: str, peers: bool = False) -> None:
+        """Mark ``entry`` failed and write this replica's trace (``peers``: and the trace of every
+        peer replica of this process, which may be aborted with it)."""
+        if self.recorder is None:
+            return
+        _trace.Recorder.finish(entry, error)
+        self.recorder.dump(reason, failed=True)
+        if peers:
+            for rank, recorder in _trace.scoped_recorders().items():
+                if rank != self.rank and not recorder.exited:
+                    recorder.dump("a peer's host check timed out")
+
+    def _hang_report(self, axis: str, ranks: list[int], missing: list[int]) -> tuple[str, str]:
+        """``(summary, details)`` of what every rank of the group is doing, read from the
+        recorders of the replicas that are threads of this process; ``("", "")`` when no peer is."""
+        local = _trace.scoped_recorders() if self.recorder is not None else {}
+        peers = [r for r in ranks if r != self.rank and r in local]
+        if not peers:
+            return "", ""
+        states = {r: local[r].state(stack=r != self.rank) for r in [self.rank, *peers] if r in local}
+        summary, details = describe_group(states, self.rank, 0.0)
+        elsewhere = [r for r in missing if r not in local]
+        if elsewhere:
+            summary += f"; {_trace_ranks(elsewhere)} (in other processes) never reached it"
+        return summary, "".join("\n" + line for line in details)
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: str, operation: str, axis: str,
                    scale: float = 1.0) -> None:
@@ -270,6 +328,10 @@ class XlaRuntime:
                         t.mul_(scale)
             return
         reduce_type = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}[op]
+        entry = None
+        if self.recorder is not None:
+            entry = self.recorder.enter(f"{operation}: XLA all-reduce", axis, None, _describe(op, tensors), skip=2)
+            entry.state = "running"  # the check passed: every rank of the group is here
         try:
             # pin_layout=False: a pinned layout builds one graph per ordinal (pytorch/xla#9089),
             # and nothing here needs a fixed layout. A list is reduced in place, coalesced.
@@ -279,24 +341,47 @@ class XlaRuntime:
             message = (f"{operation} over the {axis!r} axis failed on rank {self.rank} (group ranks "
                        f"{self.group_ranks(axis)}): {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
             self.mark_broken(message)
+            self._failed(entry, f"CollectiveError: {message}", message)
             raise pp.CollectiveError(message, operation=operation, axis=axis, rank=self.rank) from exc
+        _trace.Recorder.finish(entry)
+
+
+def _where(entry: _trace.Entry | None) -> str:
+    """The caller's location of a check (``train.py:57``), from its trace entry or the stack."""
+    site, user = (entry.site, entry.user) if entry is not None else _trace.caller(3)
+    fmt = lambda loc: None if loc is None else f"{loc[0]}:{loc[1]}"  # noqa: E731
+    return location({"site": fmt(site), "user": fmt(user)})
+
+
+def _describe(op: str, tensors: list[torch.Tensor]) -> str:
+    """``sum 2 tensor(s): float32[16, 6], float32[16], ...``: an all-reduce's entry detail."""
+    shapes = [f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors[:4]]
+    return f"{op} {len(tensors)} tensor(s): {', '.join(shapes)}{', ...' if len(tensors) > 4 else ''}"
+
+
+def _trace_ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _mismatch_message(rank: int, name: str, mine: tuple[Any, ...], others: dict[int, tuple[Any, ...]], axis: str,
                       ranks: list[int]) -> str:
-    def side(d: tuple[Any, ...]) -> str:
-        text = d[0]
-        if d[2] is not None:
-            return f"{text} (refused: {d[2]})"
-        return f"{text} ({d[1]})" if d[1] else text
+    # A descriptor: (operation, detail, refusal, caller's location); the sequence number is ``name``'s.
+    seq = name.rpartition(" #")[2]
 
-    other_rank, other = next((r, d) for r, d in others.items() if d != mine)
+    def side(d: tuple[Any, ...], where: bool = False) -> str:
+        text = f"{d[0]} #{seq}" if where else d[0]
+        at = f" at {d[3]}" if where else ""
+        if d[2] is not None:
+            return f"{text} (refused: {d[2]}){at}"
+        return (f"{text} ({d[1]})" if d[1] else text) + at
+
+    other_rank, other = next((r, d) for r, d in others.items() if d[:3] != mine[:3])
     return "\n".join([
         f"operations out of step over the {axis!r} axis (group ranks {ranks}) at {name}: {side(mine)} on rank {rank} "
-        f"vs {side(other)} on rank {other_rank}.",
+        f"vs {side(other)} on rank {other_rank} (called at {mine[3]} and {other[3]}).",
         "Every rank of a group must call the same polyparallel operations in the same order, with the same shapes; "
         "no payload was exchanged. Each rank of the group called:",
-        *(f"  rank {r}: {side(d)}" for r, d in sorted(others.items())),
+        *(f"  rank {r}: {side(d, where=True)}" for r, d in sorted(others.items())),
         "The runtime is now broken: fix the program and restart the replicas.",
     ])
 

@@ -269,7 +269,7 @@ def test_a_failing_rank_is_reported_as_launch_error(manager):
 
 
 def test_a_trace_dir_is_refused_for_a_runtime_that_records_nothing(manager, launcher, tmp_path):
-    # A runtime that records no collectives (XLA today): trace_dir= would be silently ignored; refused before any process.
+    # A runtime that records no collectives: trace_dir= would be silently ignored; refused before any process.
     s = Strategy(plugin_manager=manager)
     with pytest.raises(TypeError, match=r"the 'serial' runtime does not record its collectives \(its capabilities "
                                         r"lack the 'collective_trace' feature\)"):

@@ -88,3 +88,55 @@ def test_launch_refuses_a_trace_dir_that_is_a_file(tmp_path):
         pp.launch(print, pp.Strategy(data=1), 1, trace_dir=afile)
     with pytest.raises(TypeError, match=r"trace_dir=\) must be a directory path"):
         pp.launch(print, pp.Strategy(data=1), 1, trace_dir=3)
+
+
+_SCOPES = '''
+import json, os, sys, threading
+import polyparallel as pp
+from polyparallel import _trace
+
+_trace.configure(trace_dir=sys.argv[1], world_size=2)
+process = _trace.get_recorder()
+seen = {}
+arrived = threading.Barrier(2)
+
+def replica(rank):
+    with pp.session_scope(rank):
+        recorder = _trace.get_recorder()
+        _trace.Recorder.finish(recorder.enter("reduce_metrics", "data", 1, f"rank {rank}"))
+        arrived.wait()  # both scopes are live: each sees the other's recorder
+        seen[rank] = (recorder, dict(_trace.scoped_recorders()))
+        if rank == 1:
+            raise ValueError("rank 1's own error")
+
+def run(rank):
+    try:
+        replica(rank)
+    except ValueError:
+        pass
+
+threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+for t in threads: t.start()
+for t in threads: t.join()
+zero, one = seen[0][0], seen[1][0]
+assert zero is not one and process not in (zero, one) and not process.entries
+assert _trace.get_recorder() is process
+assert seen[0][1] == {0: zero, 1: one} == seen[1][1]
+assert (zero.rank, zero.world_size, zero.trace_dir) == (0, 2, process.trace_dir)
+assert zero.exited and zero.outcome == "finished" and one.outcome.startswith("failed in replica"), one.outcome
+state = one.state()
+assert state["exited"] and state["stack"] is None and state["entries"][0]["detail"] == "rank 1"
+assert sorted(os.listdir(sys.argv[1])) == ["rank0.jsonl", "rank1.jsonl"]  # written when each scope ended
+for rank in (0, 1):
+    header, entry = [json.loads(line) for line in open(os.path.join(sys.argv[1], f"rank{rank}.jsonl"))]
+    assert header["rank"] == rank and header["world_size"] == 2 and entry["detail"] == f"rank {rank}"
+print("scoped")
+'''
+
+
+def test_each_session_scope_records_its_own_rank(tmp_path):
+    # Ranks that are threads of one process (XLA replicas on PJRT CPU): each session scope has its
+    # own recorder, its own file, and sees its peers' (hang reports); the process's stays empty and
+    # writes no rank0.jsonl of its own over replica 0's.
+    out = subprocess.run([sys.executable, "-c", _SCOPES, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "scoped", out.stderr

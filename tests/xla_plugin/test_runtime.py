@@ -65,9 +65,9 @@ def scenarios(state: dict[str, torch.Tensor]) -> dict:
     start = time.monotonic()
     try:
         if session.rank == 0:
-            other.reduce_metrics({"loss": 1.0})
+            other.reduce_metrics({"loss": 1.0})  # rank 0's side
         else:
-            other.sync_states({"w": torch.ones(2, device=torch_xla.device())})
+            other.sync_states({"w": torch.ones(2, device=torch_xla.device())})  # rank 1's side
     except pp.CollectiveError as exc:
         out["mismatch"] = (type(exc).__name__, exc.operation, exc.axis, exc.rank, str(exc), time.monotonic() - start)
     return out
@@ -117,6 +117,16 @@ def test_ranks_at_different_operations_fail_naming_both(launched):
         assert kind == "CollectiveError" and axis == "data" and rank == r["rank"] and elapsed < 10
         assert "reduce_metrics (loss:mean[1]) on rank 0" in message and "sync_states (1 [w:broadcast" in message
         assert "on rank 1" in message
+        # Where each side was called: the user's lines, as the torch runtime reports them.
+        zero, one = _line("rank 0's side"), _line("rank 1's side")
+        mine, theirs = (zero, one) if r["rank"] == 0 else (one, zero)
+        assert f"(called at test_runtime.py:{mine} and test_runtime.py:{theirs})" in message, message
+        assert f"  rank 0: reduce_metrics #1 (loss:mean[1]) at test_runtime.py:{zero}" in message, message
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "_line(" not in line)
 
 
 def _never() -> None:  # pragma: no cover - refused before starting
