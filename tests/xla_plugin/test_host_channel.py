@@ -33,19 +33,21 @@ def _pair(store, values):
 
 
 def test_descriptors_and_extras_round_trip_as_tuples_and_lists():
-    values = {0: (("sync_grads", "mean abc", None), [True, False]), 1: (("sync_grads", "mean abc", None), [False, True])}
+    values = {0: (("sync_grads", "mean abc", None, "train.py:3"), [True, False]), 1: (("sync_grads", "mean abc", None, "train.py:3"), [False, True])}
     out = _pair(dist.HashStore(), values)
-    assert out[0] == out[1] == {0: (("sync_grads", "mean abc", None), [True, False]),
-                                1: (("sync_grads", "mean abc", None), [False, True])}
-    assert out[0][1][0] == ("sync_grads", "mean abc", None)  # compared with a rank's own tuple
+    assert out[0] == out[1] == {0: (("sync_grads", "mean abc", None, "train.py:3"), [True, False]),
+                                1: (("sync_grads", "mean abc", None, "train.py:3"), [False, True])}
+    assert out[0][1][0] == ("sync_grads", "mean abc", None, "train.py:3")  # compared with a rank's own tuple
 
 
 @pytest.mark.parametrize("raw", [
     pickle.dumps((("reduce_metrics", "", None), _Boom())),  # what main unpickled: code run in the rank
     b"\xff\xfe not json",
     b'{"operation": "reduce_metrics"}',
-    b'[["reduce_metrics", 3, null], null]',
-    b'[["reduce_metrics", "", null], {"a": 1}]',
+    b'[["reduce_metrics", 3, null, "train.py:3"], null]',
+    b'[["reduce_metrics", "", null, "train.py:3"], {"a": 1}]',
+    b'[["reduce_metrics", "", null, 3], null]',  # the caller's line is text
+    b'[["reduce_metrics", "", null], null]',  # no caller
 ])
 def test_a_value_polyparallel_did_not_write_is_refused_not_run(raw):
     import polyparallel_xla
@@ -54,5 +56,5 @@ def test_a_value_polyparallel_did_not_write_is_refused_not_run(raw):
     store.set("data/0/1/1", raw)  # rank 1's entry, written by someone else
     channel = HostChannel(store, timeout=5)
     with pytest.raises(pp.CollectiveError, match=r"read a value for rank 1 \('data/0/1/1'\) that polyparallel did not"):
-        channel.exchange("data/0", 1, 0, [0, 1], (("reduce_metrics", "", None), None))
+        channel.exchange("data/0", 1, 0, [0, 1], (("reduce_metrics", "", None, "train.py:3"), None))
     assert not getattr(polyparallel_xla, "PWNED", False)
