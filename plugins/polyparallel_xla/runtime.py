@@ -117,7 +117,13 @@ class HostChannel:
         try:
             self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
         except Exception:  # the store raises a timeout error whose type differs between torch releases
-            return [r for r in ranks if not self.store.check([f"{tag}/{seq}/{r}"])]
+            missing = [r for r in ranks if not self.store.check([f"{tag}/{seq}/{r}"])]
+            # Withdraw this rank's entry: a late peer must not pass the check and wait alone in the
+            # XLA collective (it fails at once, told that this rank gave up). A peer that read the
+            # entry in the instant before is not reached.
+            gave_up = f"rank {rank} gave up waiting for it after the strategy's timeout of {self.timeout:g} s"
+            self.store.set(f"{tag}/{seq}/{rank}", json.dumps([[descriptor[0], descriptor[1], gave_up, descriptor[3]], None]))
+            return missing
         values = {r: self._read(k, r, rank) for r, k in zip(ranks, keys)}
         if seq > 1:
             self.store.delete_key(f"{tag}/{seq - 1}/{rank}")

@@ -58,3 +58,15 @@ def test_a_value_polyparallel_did_not_write_is_refused_not_run(raw):
     with pytest.raises(pp.CollectiveError, match=r"read a value for rank 1 \('data/0/1/1'\) that polyparallel did not"):
         channel.exchange("data/0", 1, 0, [0, 1], (("reduce_metrics", "", None, "train.py:3"), None))
     assert not getattr(polyparallel_xla, "PWNED", False)
+
+
+def test_a_rank_that_timed_out_withdraws_its_entry_so_a_late_peer_fails_at_once():
+    # Without it, the late peer would pass the check on the stale entry and wait alone in the XLA
+    # collective (XLA aborts the process, or the ordered sync's barrier waits 120 s).
+    store = dist.HashStore()
+    mine = ("reduce_metrics", "loss:mean[1]", None, "train.py:3")
+    assert HostChannel(store, timeout=0.5).exchange("data/0", 1, 0, [0, 1], (mine, None)) == [1]
+    late = HostChannel(store, timeout=5).exchange("data/0", 1, 1, [0, 1], (mine, None))
+    assert isinstance(late, dict) and late[1][0] == mine
+    assert late[0][0] == ("reduce_metrics", "loss:mean[1]", "rank 0 gave up waiting for it after the strategy's "
+                          "timeout of 0.5 s", "train.py:3")
