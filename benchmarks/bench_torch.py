@@ -27,6 +27,10 @@
     "off" model as the same-vs-same control, interleaved, in ``--launches`` separate launches:
     here the figures are step-time ratios against "off" (> 1: slower). ``--only ddp-trace
     --quick`` runs this part alone;
+(b4) an FSDP2 training step at ``zero=3`` (the same model and batch) with FSDP's all-gathers and
+    reduce-scatters recorded (:mod:`polyparallel_torch.fsdp_trace`, the default) and off
+    (``POLYPARALLEL_TRACE_FSDP=0``), with a second "off" model as the control, interleaved, in
+    ``--launches`` launches (step-time ratios against "off"); ``--only fsdp-trace --quick``;
 (c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
     model);
 (d) ``import polyparallel`` time (fresh interpreters).
@@ -400,6 +404,65 @@ def ddp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str
     return rows, {"ddp trace": figures}
 
 
+def _fsdp_trace_worker(quick: bool) -> dict[str, float]:
+    """(b4): FSDP2 (zero=3) training steps with the recording comms (polyparallel_torch.fsdp_trace)
+    on, off, and off again (the same-vs-same control): three models of the same weights on the same
+    data group, steps interleaved."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from polyparallel_torch import fsdp_trace
+
+    strategy = pp.Strategy(data=2, zero=3, timeout=120)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def model_() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    models = {"on": strategy.wrap_model(model_())}
+    os.environ[fsdp_trace.ENV] = "0"
+    models |= {"off": strategy.wrap_model(model_()), "off again": strategy.wrap_model(model_())}
+    del os.environ[fsdp_trace.ENV]
+    assert fsdp_trace.is_installed(models["on"]) and not fsdp_trace.is_installed(models["off"])
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
+
+    def step(name: str) -> None:
+        loss = nn.functional.cross_entropy(models[name](x), y)
+        opts[name].zero_grad()
+        loss.backward()
+        opts[name].step()
+
+    times: dict[str, list[float]] = {k: [] for k in models}
+    names = list(models)
+    for i in range(30 if quick else 80):
+        order = names[i % 3:] + names[:i % 3]  # rotate who goes first
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v[5:]) for k, v in times.items()}
+
+
+def fsdp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """(b4) over ``launches`` launches: median and spread of on/off and the control."""
+    strategy = pp.Strategy(data=2, zero=3, timeout=120)
+    per_launch = [pp.launch(_fsdp_trace_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
+    figures: dict[str, Any] = {"launches": per_launch}
+    rows = []
+    for name in ("on", "off again"):
+        ratios = sorted(r[name] / r["off"] for r in per_launch)
+        figures[f"{name} / off"] = ratios
+        rows.append((f"FSDP2 zero=3 step, collective recording: {name} vs off ({launches} launches)",
+                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
+                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
+                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    return rows, {"fsdp trace": figures}
+
+
 def dispatch_cost() -> dict[str, float]:
     class Noop:
         @pp.hookimpl
@@ -435,9 +498,10 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=None,
                         help="launches of the identity-check (b2) and fresh-gradient (a2) benchmarks; "
                              "default 10, 3 with --quick")
-    parser.add_argument("--only", choices=["check", "grads", "fresh", "ddp-trace"],
+    parser.add_argument("--only", choices=["check", "grads", "fresh", "ddp-trace", "fsdp-trace"],
                         help="run only the identity-check benchmark (b2), only the sync_grads ones (a, a2), "
-                             "only the fresh-gradient step (a2), or only DDP's bucket recording on/off (b3)")
+                             "only the fresh-gradient step (a2), only DDP's bucket recording on/off (b3), or only "
+                             "FSDP2's collective recording on/off (b4)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     strategy = pp.Strategy(data=2, timeout=120)
@@ -449,6 +513,9 @@ def main() -> None:
         return
     if args.only == "ddp-trace":
         _print(*ddp_trace_cost(args.quick, launches), args.json)
+        return
+    if args.only == "fsdp-trace":
+        _print(*fsdp_trace_cost(args.quick, launches), args.json)
         return
     if args.only == "grads":
         rows, figures = fresh_grads(args.quick, launches)

@@ -138,6 +138,9 @@ def shard_module(model: nn.Module, rt: TorchRuntime, stage: int, options: dict[s
         reshard = stage == 3 and path != last and not pipelined
         fully_shard(names[path], mesh=mesh, reshard_after_forward=reshard, **unit_kwargs)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **kwargs)
+    from .fsdp_trace import install
+
+    install(model, rt)  # every unit's all-gathers and reduce-scatters recorded (.fsdp_trace; torch's comms inside)
     return model
 
 
