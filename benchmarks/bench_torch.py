@@ -22,7 +22,8 @@
     same steps with ``GradPolicy(check=False)``, interleaved, in ``--launches`` separate launches
     (median and spread of the ratio);
 (b3) a DDP training step (the model of (b2), batch 64 per rank) with DDP's bucket all-reduces
-    recorded and identity-checked (:mod:`polyparallel_torch.ddp_trace`, the default), recorded
+    recorded and identity-checked (:mod:`polyparallel_torch.ddp_trace`, the default: no comm hook,
+    the check started at the backward's start, answered after it), recorded
     only (``GradPolicy(check=False)``), and off (``POLYPARALLEL_TRACE_DDP=0``), with a second
     "off" model as the same-vs-same control, interleaved, in ``--launches`` separate launches:
     here the figures are step-time ratios against "off" (> 1: slower). ``--only ddp-trace

@@ -94,8 +94,9 @@ class GradPolicy:
     :param check: check before every ``sync_grads`` that all ranks of the data group are at the
         same call with the same gradient layout (one 16-byte all-reduce a call), so a rank that
         skipped a ``sync_grads`` or runs another operation fails at once naming both sides; on a
-        DDP model, the same check runs once per ``backward()`` before DDP's gradient all-reduces
-        (the torch runtime's communication hook). ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
+        DDP model, the same check is started once per ``backward()`` before DDP's gradient
+        all-reduces and answered when the gradients are computed (the torch runtime's
+        ``ddp_trace``). ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
         checked operation (``reduce_metrics``, ``sync_states``) or by the timeout. Every other
         operation is always checked. Like every field, it must be the same on every rank.
     :param accumulate: gradient accumulation: the optimizer steps once every ``accumulate``

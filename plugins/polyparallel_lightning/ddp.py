@@ -12,9 +12,9 @@ arguments, ``setup_distributed`` (called by ``DDPStrategy.setup_environment``), 
 ``load_checkpoint``, ``load_model_state_dict``, ``load_optimizer_state_dict``,
 ``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``, ``optimizers``. DDP communication hooks
 (``ddp_comm_hook=``, ``ddp_comm_state=``, ``ddp_comm_wrapper=``) are registered with torch's public
-``DistributedDataParallel.register_comm_hook``, as Lightning does (on CUDA only: Lightning's rule); on
-the runtime's DDP model that call installs the hook inside the runtime's recording hook
-(``polyparallel_torch.ddp_trace``), so the bucket all-reduces stay recorded and checked.
+``DistributedDataParallel.register_comm_hook``, as Lightning does (on CUDA only: Lightning's rule): the
+runtime records and checks each backward without a hook (``polyparallel_torch.ddp_trace``), so DDP's
+hook slot is Lightning's.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DDP's gradient all-reduces in polyparallel's trace and identity checks: a communication hook.
+"""DDP's gradient all-reduces in polyparallel's trace and identity checks, without a communication hook.
 
 DDP's reducer all-reduces the gradients bucket by bucket during ``backward()``; those
 collectives are torch's, not the runtime's, so without this module a rank that runs another
@@ -6,23 +6,25 @@ operation meanwhile (``self.log(..., sync_dist=True)`` of a key only one rank lo
 against a bucket all-reduce and the job ends with a raw backend timeout raised in
 ``backward()``, naming nothing.
 
-:func:`install` registers one communication hook on a DDP model the runtime wraps. For each
-backward (the hook of bucket 0, the first DDP reduces), it runs the runtime's identity check over
-the data group (:meth:`~polyparallel_torch.identity_checks.CheckedCollectives.check`: one int64
-all-reduce of a hash of the operation, its sequence number and bucket 0's numel and dtype), the
-same check every polyparallel operation makes, so an out-of-step operation fails at once on both
-ranks naming both sides ("self.log('only0', sync_dist=True) #1 on rank 0 vs DDP gradient
-all-reduce #1 on rank 1"), and a silent peer makes the check time out with the hang report. The check is made
-once per backward, not per bucket (DDP reduces its buckets in the same order on every rank), and
-follows ``GradPolicy(check=)``: with ``check=False`` the backward is only recorded. One trace
-entry covers the backward's buckets (its detail says the latest bucket: ``bucket 3: 1049600
-float32``); it is finished when the last bucket's reduction completes.
+:func:`install` registers one forward hook on a DDP model the runtime wraps. After a forward that
+prepares a synchronising backward (grad enabled and ``require_backward_grad_sync``: not under
+``no_sync``), it puts a gradient hook on the output tensors. The first of those to fire is the
+start of that backward, before any gradient exists and so before any bucket is reduced: there the
+runtime runs its identity check over the data group
+(:meth:`~polyparallel_torch.identity_checks.CheckedCollectives.check`: one int64 all-reduce of a
+hash of the operation, its sequence number and the gradients' size and dtype), the same check
+every polyparallel operation makes, so an out-of-step operation fails at once on both ranks
+naming both sides ("self.log('only0', sync_dist=True) #1 on rank 0 vs DDP gradient all-reduce #1
+on rank 1"), and a silent peer makes the check time out with the hang report. With
+``GradPolicy(check=False)`` the backward is only recorded. The trace entry stays open until DDP
+has waited for its last bucket (an autograd final callback queued after DDP's own).
 
-Then the hook runs the reduction: DDP's default (``allreduce_hook``, average over the group), or
-the precision policy's compress hook (:func:`polyparallel_torch.precision.ddp_comm_hook`), or a
-hook the user (or Lightning's ``ddp_comm_hook=``) registers later: the model's
-``register_comm_hook`` is replaced by one that installs the user's hook *inside* the recording
-one (DDP accepts a single hook), refused as torch refuses a second hook.
+Why not a communication hook (the first design): DDP runs its default reduction in C++; any
+Python hook moves every bucket's all-reduce and its completion callback into Python, on the
+autograd and the backend's threads (7% of an 8 ms step here, and 16% with the recording),
+and the hook slot is the user's (``ddp_comm_hook=``, the precision policy's compress hook). Here
+the buckets are reduced exactly as DDP reduces them (a comm hook the precision policy or the
+user registers is DDP's own business), and the cost is two Python calls per backward.
 
 ``POLYPARALLEL_TRACE_DDP=0`` installs nothing (DDP's own reduction, unrecorded, unchecked).
 """
@@ -30,9 +32,9 @@ one (DDP accepts a single hook), refused as torch refuses a second hook.
 from __future__ import annotations
 
 import os
-import types
 from typing import Any
 
+import torch
 from torch import nn
 
 from polyparallel import _trace
@@ -40,117 +42,103 @@ from polyparallel import _trace
 __all__ = ["ENV", "OPERATION", "enabled", "install", "is_installed"]
 
 ENV = "POLYPARALLEL_TRACE_DDP"
-"""``0`` turns the hook off (the benchmarks' switch)."""
+"""``0`` turns the recording off (the benchmarks' switch)."""
 OPERATION = "DDP gradient all-reduce"
 """The operation's name in the trace, hang reports and desync errors."""
 
 
 def enabled() -> bool:
-    """Whether :func:`install` installs the hook (``POLYPARALLEL_TRACE_DDP`` not ``0``)."""
+    """Whether :func:`install` installs the recording (``POLYPARALLEL_TRACE_DDP`` not ``0``)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class _State:
-    """The hook's state: the runtime, whether to check, the reduction it runs, the open entry."""
+def _finish_after(entry: _trace.Entry | None) -> Any:
+    """A final callback that queues the one finishing ``entry``: queued at the start of backward,
+    it runs before DDP's finalize (queued when the last bucket is ready), and the one it queues
+    runs after it, once every bucket's reduction is waited for (not at all if that raises)."""
 
-    __slots__ = ("rt", "check", "inner", "inner_state", "user", "entry")
+    def finish() -> None:
+        _trace.Recorder.finish(entry)
 
-    def __init__(self, rt: Any, check: bool, inner: Any, inner_state: Any):
-        self.rt, self.check, self.inner, self.inner_state = rt, check, inner, inner_state
-        self.user = False  # a hook registered through the model's register_comm_hook
-        self.entry: _trace.Entry | None = None
+    def requeue() -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+    return requeue
+
+
+class _Recording:
+    """The forward hook on the DDP model (a module-level class: a model holding it can be copied
+    and pickled; a copy records nothing: it has no runtime)."""
+
+    def __init__(self, rt: Any, check: bool, detail: str):
+        self.rt, self.check, self.detail = rt, check, detail
+        self.started = False  # this forward's backward has started (several outputs, one start)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # A copy of the model (copy.deepcopy, pickle) has no runtime: it only runs the reduction
-        # (over the default group, as a copied DDP model does).
-        return (_State, (None, False, self.inner, None))
+        return (_Recording, (None, False, self.detail))
 
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.rt is None or not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)):
+            return
+        leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+                  if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        if not leaves:
+            return
+        self.started = False
+        for tensor in leaves:
+            tensor.register_hook(self._backward_started)
 
-class _RecordingHook:
-    """The hook DDP calls (a module-level class: a model holding it can be copied and pickled);
-    its name says which reduction runs inside (DDP's logging data records it)."""
-
-    def __init__(self, inner: Any):
-        self.__name__ = self.__qualname__ = f"polyparallel_recording_hook({getattr(inner, '__name__', inner)})"
-
-    def __call__(self, state, bucket):  # no annotations: see polyparallel_recording_hook
-        return polyparallel_recording_hook(state, bucket)
-
-
-def _describe(bucket: Any) -> str:
-    buffer = bucket.buffer()
-    return f"bucket {bucket.index()}: {buffer.numel()} {str(buffer.dtype).removeprefix('torch.')}"
-
-
-def _finish(entry: _trace.Entry | None) -> Any:
-    def done(future: Any) -> Any:
-        value = future.value()  # raises the reduction's error: the entry stays open
-        _trace.Recorder.finish(entry)
-        return value
-
-    return done
-
-
-# No annotations: DDP refuses a hook whose ``bucket`` annotation is not dist.GradBucket (a string here).
-def polyparallel_recording_hook(state, bucket):
-    """Record (and at bucket 0, identity-check) the bucket's all-reduce, then run the reduction."""
-    rt = state.rt
-    if rt is None:  # a copy of the model
-        return state.inner(state.inner_state, bucket)
-    if bucket.index() == 0:
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        if self.started:
+            return
+        self.started = True
+        rt = self.rt
         rec = rt._rec
         thread = None if rec is None else rec.thread  # keep the stack of the thread driving the step
-        detail = _describe(bucket)
-        if state.check:
-            _, state.entry = rt._check(OPERATION, "data", detail)
+        if self.check:
+            # Started now, over the data group, before any bucket exists; answered once the
+            # gradients are computed (DDP's buckets travel over their own group meanwhile).
+            answer = rt.start_check(OPERATION, "data", self.detail, skip=3)
+            callback = _answer_then_finish(answer)
         elif rec is not None:
-            state.entry = rec.enter(OPERATION, "data", None, detail, skip=2)
-            state.entry.state = "running"
+            entry = rec.enter(OPERATION, "data", None, self.detail, skip=2)
+            entry.state = "running"
+            callback = _finish_after(entry)
+        else:
+            return
         if rec is not None:
             rec.thread = thread
-    elif state.entry is not None:
-        state.entry.detail = _describe(bucket)
-    future = state.inner(state.inner_state, bucket)
-    if bucket.is_last() and state.entry is not None:
-        entry, state.entry = state.entry, None
-        future = future.then(_finish(entry))
-    return future
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _answer_then_finish(answer: Any) -> Any:
+    """The final callback of a checked backward: wait for the check's answer (raising the desync
+    error or the timeout out of ``backward()``), then queue the one finishing its entry."""
+
+    def callback() -> None:
+        _, entry = answer()
+        _finish_after(entry)()
+
+    return callback
+
+
+def _describe(ddp: nn.parallel.DistributedDataParallel) -> str:
+    """The gradients DDP reduces (the same on every rank): their count, elements and dtypes."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+    return f"{len(params)} gradients, {sum(p.numel() for p in params)} {'/'.join(dtypes)}"
 
 
 def install(ddp: nn.parallel.DistributedDataParallel, rt: Any, check: bool, hook: Any = None) -> None:
-    """Register the recording hook on ``ddp`` (over ``rt``'s data group), running ``hook`` (a
-    comm hook taking the group as its state) or DDP's default all-reduce; with the hook off
-    (:func:`enabled`), register ``hook`` alone, as DDP would."""
-    group = rt.group("data")
-    if not enabled():
-        if hook is not None:
-            ddp.register_comm_hook(group, hook)
-        return
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    own = _State(rt, check, hook or allreduce_hook, group)
-    ddp.register_comm_hook(own, _RecordingHook(own.inner))
-    ddp.register_comm_hook = types.MethodType(register_comm_hook, ddp)  # type: ignore[method-assign]
-
-
-def register_comm_hook(ddp: nn.parallel.DistributedDataParallel, state: object, hook: Any) -> None:
-    """``ddp.register_comm_hook`` on a model with the recording hook: DDP takes one hook, so the
-    user's runs inside the recording one (refused, like torch's second hook, when one already does)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    own = next((s for _, s in ddp._comm_hooks if isinstance(s, _State)), None)
-    if own is None:  # not ours (a copy's hook list): torch's own
-        type(ddp).register_comm_hook(ddp, state, hook)
-        return
-    if own.user or own.inner is not allreduce_hook:
-        raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once (the model "
-                           "already reduces through a communication hook: the Strategy's precision policy's, or one "
-                           "registered earlier).")
-    ddp._check_comm_hook(hook)
-    own.inner, own.inner_state, own.user = hook, state, True
+    """Record (and with ``check``, identity-check) each synchronising backward of ``ddp`` over
+    ``rt``'s data group (unless :func:`enabled` says not); register ``hook`` (a comm hook taking
+    the group as its state: the precision policy's) when given, as DDP's own."""
+    if hook is not None:
+        ddp.register_comm_hook(ddp.process_group, hook)
+    if enabled():
+        ddp.register_forward_hook(_Recording(rt, check, _describe(ddp)))
 
 
 def is_installed(ddp: nn.Module) -> bool:
-    """Whether ``ddp`` reduces through the recording hook."""
-    return any(isinstance(state, _State) for _, state in getattr(ddp, "_comm_hooks", ()))
-
+    """Whether ``ddp``'s backwards are recorded."""
+    return any(isinstance(h, _Recording) for h in getattr(ddp, "_forward_hooks", {}).values())

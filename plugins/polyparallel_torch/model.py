@@ -10,7 +10,8 @@
   one rank); zero=1 is refused before launch (pipeline.py says why, and why not DDP).
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op), its bucket
-  all-reduces recorded and identity-checked through a communication hook (:mod:`.ddp_trace`).
+  all-reduces recorded and identity-checked once per backward (:mod:`.ddp_trace`; DDP over a
+  second group of the data ranks, :meth:`~.runtime.TorchRuntime.ddp_group`).
   Never DataParallel.
 - ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the
   mesh, after the tensor plan (:mod:`polyparallel_torch.sharding`); ``sync_grads`` is a no-op.
@@ -182,7 +183,9 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.group("data"), **kwargs)
+        # Over a second group of the data ranks: the backward's identity check (over the data
+        # group) is then answered after the backward, not before its first bucket (.ddp_trace).
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.ddp_group(), **kwargs)
     from .ddp_trace import install
     from .precision import ddp_comm_hook
 

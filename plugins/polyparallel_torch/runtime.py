@@ -34,6 +34,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 import polyparallel as pp
 from polyparallel._errors import exception_summary
 
@@ -64,6 +66,7 @@ class TorchRuntime(CheckedCollectives):
     def __init__(self, session: pp.Session):
         super().__init__(session)
         self._at_close: list[Callable[[], None]] = []
+        self._ddp_group: Any = None
         if self.world_size > 1:
             try:
                 self._init_groups()
@@ -102,6 +105,31 @@ class TorchRuntime(CheckedCollectives):
                 self.device.type, self.topology.shape, mesh_dim_names=self.topology.axis_names,
                 **({"backend_override": override} if override else {}),
             )
+
+    def ddp_group(self) -> Any:
+        """A second group of this rank's data-axis ranks, for DDP's gradient all-reduces alone
+        (made on first use, by every rank: call it where every rank does, as ``wrap_model``).
+
+        DDP's buckets travel there so that the identity check of a backward
+        (:mod:`.ddp_trace`), which travels over the data group, can be answered after the
+        backward instead of before its first bucket: on the data group, a mismatch's descriptor
+        exchange would meet the buckets already queued behind the check."""
+        if self._ddp_group is None:
+            mesh = self.mesh.mesh
+            dim = self.topology.axis_names.index("data")
+            ranks = mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+            with self.collective("new_group (DDP's gradient all-reduces)", "world"):
+                mine, groups = dist.new_subgroups_by_enumeration(ranks, timeout=self.timeout, backend=self.backend)
+
+            def destroy() -> None:
+                if self.broken is None and dist.is_initialized():
+                    for group in groups:
+                        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+                            dist.destroy_process_group(group)
+
+            self._ddp_group = mine
+            self.at_close(destroy)
+        return self._ddp_group
 
     @property
     def owns_default_group(self) -> bool:

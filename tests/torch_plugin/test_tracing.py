@@ -254,8 +254,8 @@ def test_a_timeout_says_which_peer_finished_and_which_failed_where():
 
 
 def _ddp_hook_composition(strategy):
-    """On a DDP model the runtime wrapped: a hook registered later runs inside the recording one,
-    a second is refused."""
+    """On a DDP model the runtime wrapped: a comm hook registered later is DDP's own (it reduces
+    every bucket), the backward is still recorded and checked, and a second hook is refused by torch."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from polyparallel_torch import ddp_trace
@@ -269,21 +269,29 @@ def _ddp_hook_composition(strategy):
 
     model.register_comm_hook(None, counting)
     model(torch.ones(2, 4)).sum().backward()
+    grad = model.module.weight.grad.clone()
     try:
         model.register_comm_hook(None, counting)
         refused = ""
     except RuntimeError as exc:
         refused = str(exc)
     entries = [e for e in _trace.get_recorder().last(8) if e["operation"] == ddp_trace.OPERATION]
+    with model.no_sync():  # no synchronising backward: nothing recorded
+        model(torch.ones(2, 4)).sum().backward()
+    after_no_sync = [e for e in _trace.get_recorder().last(8) if e["operation"] == ddp_trace.OPERATION]
     return {"calls": calls, "refused": refused, "entries": entries, "installed": ddp_trace.is_installed(model),
-            "name": model._get_ddp_logging_data().get("comm_hook")}
+            "name": model._get_ddp_logging_data().get("comm_hook"), "grad": grad.tolist(),
+            "no_sync_entries": len(after_no_sync)}
 
 
 @pytest.mark.timeout(120)
-def test_a_hook_registered_on_the_ddp_model_runs_inside_the_recording_one(run):
-    for r in run(_ddp_hook_composition, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=100):
+def test_a_hook_registered_on_the_ddp_model_reduces_and_the_backward_stays_recorded(run):
+    results = run(_ddp_hook_composition, pp.Strategy(data=2), 2, pp.Strategy(data=2), timeout=100)
+    for r in results:
         assert r["installed"] and r["calls"] == [0], r
         assert "can only be called once" in r["refused"], r
-        assert r["name"] == "polyparallel_recording_hook(allreduce_hook)", r
-        assert r["entries"] and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
-        assert r["entries"][-1]["detail"].startswith("bucket 0: 10 float32"), r
+        assert r["name"].endswith("counting"), r
+        assert len(r["entries"]) == 1 and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
+        assert r["entries"][-1]["detail"] == "2 gradients, 10 float32", r
+        assert r["no_sync_entries"] == 1, r
+    assert results[0]["grad"] == results[1]["grad"], results
