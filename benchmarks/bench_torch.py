@@ -345,30 +345,24 @@ def _check_cost_worker(quick: bool) -> dict[str, float]:
             "check_alone": statistics.median(check_alone[skip:])}
 
 
-def _ddp_trace_worker(quick: bool) -> dict[str, float]:
-    """(b3): DDP training steps with the bucket recording and check (polyparallel_torch.ddp_trace)
-    on, recording only (GradPolicy(check=False)), off, and off again (the same-vs-same control):
-    four DDP models of the same weights on the same data group, steps interleaved."""
+def _recording_mlp() -> Any:
+    """The model of (b3) and (b4): an MLP of 0.4M parameters, the same weights every call."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def _interleaved_steps(models: dict[str, Any], quick: bool) -> dict[str, float]:
+    """Training steps of ``models`` (batch 64 a rank), interleaved with the first side rotating,
+    a barrier before each on both sides alike: the median step time of each."""
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    from polyparallel_torch import ddp_trace
-
-    strategy = pp.Strategy(data=2, timeout=120)
-    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))
     torch.manual_seed(0)
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-    def model_() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-
-    models = {"on": strategy.wrap_model(model_()), "recorded": unchecked.wrap_model(model_())}
-    os.environ[ddp_trace.ENV] = "0"
-    models |= {"off": strategy.wrap_model(model_()), "off again": strategy.wrap_model(model_())}
-    del os.environ[ddp_trace.ENV]
-    assert ddp_trace.is_installed(models["on"]) and not ddp_trace.is_installed(models["off"])
     opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
 
     def step(name: str) -> None:
@@ -380,7 +374,7 @@ def _ddp_trace_worker(quick: bool) -> dict[str, float]:
     times: dict[str, list[float]] = {k: [] for k in models}
     names = list(models)
     for i in range(30 if quick else 80):
-        order = names[i % 4:] + names[:i % 4]  # rotate who goes first
+        order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
         for name in order:
             dist.barrier()
             start = time.perf_counter()
@@ -389,19 +383,42 @@ def _ddp_trace_worker(quick: bool) -> dict[str, float]:
     return {k: statistics.median(v[5:]) for k, v in times.items()}
 
 
+def _ratio_rows(per_launch: list[dict[str, float]], names: tuple[str, ...], label: str,
+                launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
+    """Median and spread over the launches of each side's step time against ``off``."""
+    figures: dict[str, Any] = {"launches": per_launch}
+    rows = []
+    for name in names:
+        ratios = sorted(r[name] / r["off"] for r in per_launch)
+        figures[f"{name} / off"] = ratios
+        rows.append((f"{label}: {name} vs off ({launches} launches)",
+                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
+                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
+                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    return rows, figures
+
+
+def _ddp_trace_worker(quick: bool) -> dict[str, float]:
+    """(b3): DDP training steps with the backward recorded and checked (polyparallel_torch.ddp_trace)
+    on, recording only (GradPolicy(check=False)), off, and off again (the same-vs-same control):
+    four DDP models of the same weights on the same data group, steps interleaved."""
+    from polyparallel_torch import ddp_trace
+
+    strategy = pp.Strategy(data=2, timeout=120)
+    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))
+    models = {"on": strategy.wrap_model(_recording_mlp()), "recorded": unchecked.wrap_model(_recording_mlp())}
+    os.environ[ddp_trace.ENV] = "0"
+    models |= {"off": strategy.wrap_model(_recording_mlp()), "off again": strategy.wrap_model(_recording_mlp())}
+    del os.environ[ddp_trace.ENV]
+    assert ddp_trace.is_installed(models["on"]) and not ddp_trace.is_installed(models["off"])
+    return _interleaved_steps(models, quick)
+
+
 def ddp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
     """(b3) over ``launches`` launches: median and spread of on/off, recorded/off and the control."""
     strategy = pp.Strategy(data=2, timeout=120)
     per_launch = [pp.launch(_ddp_trace_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
-    figures: dict[str, Any] = {"launches": per_launch}
-    rows = []
-    for name in ("on", "recorded", "off again"):
-        ratios = sorted(r[name] / r["off"] for r in per_launch)
-        figures[f"{name} / off"] = ratios
-        rows.append((f"DDP step, bucket recording: {name} vs off ({launches} launches)",
-                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
-                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
-                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    rows, figures = _ratio_rows(per_launch, ("on", "recorded", "off again"), "DDP step, backward recording", launches)
     return rows, {"ddp trace": figures}
 
 
@@ -409,58 +426,22 @@ def _fsdp_trace_worker(quick: bool) -> dict[str, float]:
     """(b4): FSDP2 (zero=3) training steps with the recording comms (polyparallel_torch.fsdp_trace)
     on, off, and off again (the same-vs-same control): three models of the same weights on the same
     data group, steps interleaved."""
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
     from polyparallel_torch import fsdp_trace
 
     strategy = pp.Strategy(data=2, zero=3, timeout=120)
-    torch.manual_seed(0)
-    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
-
-    def model_() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-
-    models = {"on": strategy.wrap_model(model_())}
+    models = {"on": strategy.wrap_model(_recording_mlp())}
     os.environ[fsdp_trace.ENV] = "0"
-    models |= {"off": strategy.wrap_model(model_()), "off again": strategy.wrap_model(model_())}
+    models |= {"off": strategy.wrap_model(_recording_mlp()), "off again": strategy.wrap_model(_recording_mlp())}
     del os.environ[fsdp_trace.ENV]
     assert fsdp_trace.is_installed(models["on"]) and not fsdp_trace.is_installed(models["off"])
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01) for k, m in models.items()}
-
-    def step(name: str) -> None:
-        loss = nn.functional.cross_entropy(models[name](x), y)
-        opts[name].zero_grad()
-        loss.backward()
-        opts[name].step()
-
-    times: dict[str, list[float]] = {k: [] for k in models}
-    names = list(models)
-    for i in range(30 if quick else 80):
-        order = names[i % 3:] + names[:i % 3]  # rotate who goes first
-        for name in order:
-            dist.barrier()
-            start = time.perf_counter()
-            step(name)
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v[5:]) for k, v in times.items()}
+    return _interleaved_steps(models, quick)
 
 
 def fsdp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
     """(b4) over ``launches`` launches: median and spread of on/off and the control."""
     strategy = pp.Strategy(data=2, zero=3, timeout=120)
     per_launch = [pp.launch(_fsdp_trace_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
-    figures: dict[str, Any] = {"launches": per_launch}
-    rows = []
-    for name in ("on", "off again"):
-        ratios = sorted(r[name] / r["off"] for r in per_launch)
-        figures[f"{name} / off"] = ratios
-        rows.append((f"FSDP2 zero=3 step, collective recording: {name} vs off ({launches} launches)",
-                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
-                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
-                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    rows, figures = _ratio_rows(per_launch, ("on", "off again"), "FSDP2 zero=3 step, collective recording", launches)
     return rows, {"fsdp trace": figures}
 
 
