@@ -171,7 +171,8 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], str
 
 
 def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
-    """``model`` (on the device) in DistributedDataParallel over the data group."""
+    """``model`` (on the device) in DistributedDataParallel over the data ranks (the runtime's
+    :meth:`~.runtime.TorchRuntime.ddp_group`, a second group of them: see :mod:`.ddp_trace`)."""
     kwargs = dict(options.get("ddp_kwargs") or {})
     if rt.device.type == "cuda":
         kwargs.setdefault("device_ids", [rt.device.index])

@@ -256,11 +256,14 @@ def test_a_timeout_says_which_peer_finished_and_which_failed_where():
 def _ddp_hook_composition(strategy):
     """On a DDP model the runtime wrapped: a comm hook registered later is DDP's own (it reduces
     every bucket), the backward is still recorded and checked, and a second hook is refused by torch."""
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     from polyparallel_torch import ddp_trace
+    from polyparallel_torch.runtime import get_runtime
 
     model = strategy.wrap_model(nn.Linear(4, 2))
+    rt = get_runtime(strategy.session())
     calls = []
 
     def counting(state, bucket):
@@ -281,7 +284,9 @@ def _ddp_hook_composition(strategy):
     after_no_sync = [e for e in _trace.get_recorder().last(8) if e["operation"] == ddp_trace.OPERATION]
     return {"calls": calls, "refused": refused, "entries": entries, "installed": ddp_trace.is_installed(model),
             "name": model._get_ddp_logging_data().get("comm_hook"), "grad": grad.tolist(),
-            "no_sync_entries": len(after_no_sync)}
+            "no_sync_entries": len(after_no_sync),
+            "own_group": model.process_group is not rt.group("data")
+            and sorted(dist.get_process_group_ranks(model.process_group)) == rt.group_ranks("data")}
 
 
 @pytest.mark.timeout(120)
@@ -294,4 +299,5 @@ def test_a_hook_registered_on_the_ddp_model_reduces_and_the_backward_stays_recor
         assert len(r["entries"]) == 1 and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
         assert r["entries"][-1]["detail"] == "2 gradients, 10 float32", r
         assert r["no_sync_entries"] == 1, r
+        assert r["own_group"], r  # DDP's buckets over a second group of the data ranks
     assert results[0]["grad"] == results[1]["grad"], results
