@@ -1,6 +1,6 @@
 """Ratio benchmarks of the torch runtime against hand-written native code, side by side.
 
-    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check|grads|fresh|ddp-trace] [--json results.json]
+    python benchmarks/bench_torch.py [--quick] [--launches N] [--only check|grads|fresh|ddp-trace|fsdp-trace] [--json results.json]
 
 (a) ``sync_grads`` throughput on a bare module (many small parameters; a few large ones) against
     one all_reduce of a flat buffer of the same bytes (the limit on this machine) and against
@@ -26,12 +26,13 @@
     the check started at the backward's start, answered after it), recorded
     only (``GradPolicy(check=False)``), and off (``POLYPARALLEL_TRACE_DDP=0``), with a second
     "off" model as the same-vs-same control, interleaved, in ``--launches`` separate launches:
-    here the figures are step-time ratios against "off" (> 1: slower). ``--only ddp-trace
-    --quick`` runs this part alone;
+    here the figures are step-time ratios against "off" (> 1: slower), and the same ratios of the
+    CPU time of the thread running the step (which the machine's scheduling hardly moves).
+    ``--only ddp-trace --quick`` runs this part alone;
 (b4) an FSDP2 training step at ``zero=3`` (the same model and batch) with FSDP's all-gathers and
     reduce-scatters recorded (:mod:`polyparallel_torch.fsdp_trace`, the default) and off
     (``POLYPARALLEL_TRACE_FSDP=0``), with a second "off" model as the control, interleaved, in
-    ``--launches`` launches (step-time ratios against "off"); ``--only fsdp-trace --quick``;
+    ``--launches`` launches (step-time and CPU-time ratios against "off"); ``--only fsdp-trace --quick``;
 (c) hook dispatch cost per call (a no-op plugin; and torch's own no-op ``sync_grads`` on a DDP
     model);
 (d) ``import polyparallel`` time (fresh interpreters).
@@ -356,7 +357,10 @@ def _recording_mlp() -> Any:
 
 def _interleaved_steps(models: dict[str, Any], quick: bool) -> dict[str, float]:
     """Training steps of ``models`` (batch 64 a rank), interleaved with the first side rotating,
-    a barrier before each on both sides alike: the median step time of each."""
+    a barrier before each on both sides alike: the median step time of each (``<name>``) and the
+    median CPU time of the thread running it (``<name> cpu``: the forward, the backward's kernels
+    and every Python hook run there; DDP's bucket all-reduces run on the backend's threads, so a
+    busy machine's scheduling, which moves the wall time by +-10 %, hardly moves this one)."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -372,29 +376,34 @@ def _interleaved_steps(models: dict[str, Any], quick: bool) -> dict[str, float]:
         opts[name].step()
 
     times: dict[str, list[float]] = {k: [] for k in models}
+    cpu: dict[str, list[float]] = {k: [] for k in models}
     names = list(models)
-    for i in range(30 if quick else 80):
+    for i in range(30 if quick else 200):
         order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
         for name in order:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             step(name)
             times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v[5:]) for k, v in times.items()}
+            cpu[name].append(time.thread_time() - start_cpu)
+    return {k: statistics.median(v[5:]) for k, v in times.items()} | {
+        f"{k} cpu": statistics.median(v[5:]) for k, v in cpu.items()}
 
 
 def _ratio_rows(per_launch: list[dict[str, float]], names: tuple[str, ...], label: str,
                 launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
-    """Median and spread over the launches of each side's step time against ``off``."""
+    """Median and spread over the launches of each side's step time, and of its thread's CPU time,
+    against ``off``."""
     figures: dict[str, Any] = {"launches": per_launch}
     rows = []
-    for name in names:
-        ratios = sorted(r[name] / r["off"] for r in per_launch)
-        figures[f"{name} / off"] = ratios
-        rows.append((f"{label}: {name} vs off ({launches} launches)",
-                     f"{statistics.median(r[name] for r in per_launch) * 1e3:.3f} ms vs "
-                     f"{statistics.median(r['off'] for r in per_launch) * 1e3:.3f} ms",
-                     f"time {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
+    for suffix, what in (("", "time"), (" cpu", "CPU time")):
+        for name in names:
+            ratios = sorted(r[name + suffix] / r["off" + suffix] for r in per_launch)
+            figures[f"{name} / off{suffix}"] = ratios
+            rows.append((f"{label}: {name} vs off, {what} ({launches} launches)",
+                         f"{statistics.median(r[name + suffix] for r in per_launch) * 1e3:.3f} ms vs "
+                         f"{statistics.median(r['off' + suffix] for r in per_launch) * 1e3:.3f} ms",
+                         f"{what} {statistics.median(ratios):.3f}x (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"))
     return rows, figures
 
 
