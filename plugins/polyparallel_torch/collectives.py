@@ -195,6 +195,8 @@ class BoundedCollectives:
             f"Every rank of the group must call {operation}. Backend said: {exception_summary(exc)}{details}",
             operation=operation, axis=axis, rank=self.rank,
         )
+        if summary:
+            error.peers_named = True  # type: ignore[attr-defined]  # it says what the peers did (launchers' root cause)
         self.mark_broken(str(error).splitlines()[0])
         raise error from exc
 

@@ -228,11 +228,16 @@ s.reduce_metrics({"loss": 2.0})  # rank 0 goes on
 
 PEER_FINISHES_SCRIPT = """
 import polyparallel as pp
+from polyparallel_torch.launchers.records import explains
 
 s = pp.Strategy(data=2, timeout=60)
 s.reduce_metrics({"loss": 1.0})
 if s.rank == 0:
-    s.reduce_metrics({"loss": 2.0})  # one more, rank 0 only
+    try:
+        s.reduce_metrics({"loss": 2.0})  # one more, rank 0 only
+    except pp.CollectiveError as exc:
+        print(f"explained: {explains(exc)}", flush=True)  # the launchers' root cause: it names the peers' side
+        raise
 """
 
 
@@ -265,7 +270,8 @@ def test_cli_launch_a_peer_that_failed_or_finished_is_named_with_its_outcome(tmp
         assert report.startswith("polyparallel launch: rank 1 of 2 failed: ValueError: bad batch at step 3"), err
         assert "rank 0: CollectiveError" in report and "rank 1 failed in bad_batch (job.py:6)" in report, err
     else:
-        assert "rank 1 finished (its last collective: reduce_metrics #1 (job.py:5, done))" in rank0, err
+        assert "rank 1 finished (its last collective: reduce_metrics #1 (job.py:6, done))" in rank0, err
+        assert "explained: True" in proc.stdout, proc.stdout
         assert report.startswith("polyparallel launch: rank 0 of 2 failed: CollectiveError: reduce_metrics #2"), err
         assert "rank 1 finished" in report.splitlines()[0], err
 
