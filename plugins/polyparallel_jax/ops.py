@@ -9,13 +9,15 @@ Two contexts, one meaning:
 - *per process* — outside, a global ``jax.Array`` already is one value for the whole mesh
   (GSPMD reduced it), so single-process calls return it unchanged; with several processes,
   process-local values (a metric over the process's own rows) are gathered across processes,
-  bounded by ``strategy.timeout``.
+  bounded by ``strategy.timeout``; ``reduce_metrics`` compares its metrics' names and shapes
+  between the processes first (:func:`metric_signature`), so different keys fail on every
+  process at once, naming both sides, instead of being paired by position.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,8 @@ from .partition import param_specs, path_name
 from .runtime import JaxRuntime
 
 __all__ = [
-    "ShardedModule", "bounded", "collection_name", "describe", "gather_rows", "inside_data_axis", "is_jax_tree", "reduce_metrics",
+    "ShardedModule", "bounded", "collection_name", "describe", "gather_rows", "inside_data_axis", "is_jax_tree",
+    "metric_signature", "reduce_metrics",
     "sync_grads", "sync_states", "wrap_model",
 ]
 
@@ -141,11 +144,97 @@ def describe(tree: Any) -> str:
     return f"{len(leaves)} array(s): {shown}{', ...' if len(leaves) > 4 else ''}"
 
 
-def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
+def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int, signature: str | None = None) -> Any:
+    """``tree`` of every process (stacked on a new first axis), bounded and traced. With a
+    ``signature`` (what the tree holds, by name: :func:`metric_signature`), the processes first
+    exchange their signatures (a buffer of one fixed shape on every process, so the exchange
+    itself never mismatches) and, when they differ, every process raises the same
+    :class:`polyparallel.CollectiveError` naming both sides before any value travels: a gather of
+    ``{"loss"}`` on one process and ``{"acc"}`` on another would pair the two silently."""
     from jax.experimental import multihost_utils
 
-    return bounded(lambda: multihost_utils.process_allgather(tree), timeout=runtime.timeout,
-                   operation=operation, axis=DATA, rank=rank, detail=describe(tree))
+    where = ""
+    if signature is not None:
+        from polyparallel import _trace
+        from polyparallel._trace_report import location
+
+        site, user = _trace.caller(2)
+        fmt = lambda loc: None if loc is None else f"{loc[0]}:{loc[1]}"  # noqa: E731
+        where = location({"site": fmt(site), "user": fmt(user)})
+
+    def gather() -> Any:
+        if signature is not None:
+            _check_signatures(signature, where, operation, rank)
+        return multihost_utils.process_allgather(tree)
+
+    detail = describe(tree) if signature is None else f"{signature}; {describe(tree)}"
+    return bounded(gather, timeout=runtime.timeout, operation=operation, axis=DATA, rank=rank, detail=detail[:300])
+
+
+SIGNATURE_BYTES = 512
+"""How much of a signature (and the caller's location) the processes exchange to show in a
+mismatch's message; the comparison itself is of a SHA-256 digest of the whole signature."""
+
+
+def metric_signature(metrics: Mapping[str, Any], policy: pp.MetricPolicy, spanning: Collection[str] = ()) -> str:
+    """What a host-side ``reduce_metrics`` gathers, by sorted name: ``acc:mean[], loss:weighted[]``
+    (the name, the reduction: ``weighted`` for a :class:`~polyparallel.Mean`, ``global`` for a value
+    spanning processes, not gathered, else the metric policy's op, and the shape): what the
+    processes compare before they gather, as the torch runtime's identity check compares its
+    metrics' names."""
+    import numpy as np
+
+    parts = []
+    for name in sorted(metrics):
+        value = metrics[name]
+        if name in spanning:
+            op, shape = "global", np.shape(value.total if isinstance(value, pp.Mean) else value)
+        elif isinstance(value, pp.Mean):
+            op, shape = "weighted", np.shape(value.total)
+        else:
+            op, shape = policy.op_for(name), np.shape(value)
+        parts.append(f"{name}:{op}{list(shape)}")
+    return ", ".join(parts)
+
+
+def _check_signatures(signature: str, where: str, operation: str, rank: int) -> None:
+    """Exchange ``signature`` (and ``where``: the caller's location) between the processes; raise
+    the same :class:`polyparallel.CollectiveError` on every process when they differ."""
+    import hashlib
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    text = f"{where}\n{signature}".encode()
+    buffer = np.zeros(32 + SIGNATURE_BYTES, np.uint8)
+    buffer[:32] = np.frombuffer(hashlib.sha256(signature.encode()).digest(), np.uint8)
+    shown = text[:SIGNATURE_BYTES]
+    buffer[32:32 + len(shown)] = np.frombuffer(shown, np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(buffer))
+    if all((row[:32] == buffer[:32]).all() for row in everyone):
+        return
+    me = jax.process_index()
+
+    def side(process: int) -> tuple[str, str]:
+        raw = bytes(everyone[process][32:]).rstrip(b"\0").decode("utf-8", "replace")
+        at, _, sig = raw.partition("\n")
+        truncated = everyone[process][-1] != 0
+        return (sig or "no metrics") + (" ..." if truncated else ""), at or "?"
+
+    other = next(p for p in range(len(everyone)) if not (everyone[p][:32] == buffer[:32]).all())
+    first, second = sorted((me, other))
+    (sig_a, at_a), (sig_b, at_b) = side(first), side(second)
+    lines = [
+        (f"{operation} over the {DATA!r} axis refused on rank {rank} (JAX process {me} of {len(everyone)}): the "
+         f"processes reduce different metrics: {{{sig_a}}} on process {first} vs {{{sig_b}}} on process {second} "
+         f"(called at {at_a} and {at_b})."),
+        ("Every process must reduce the same metric names, with the same shapes, in each reduce_metrics (a key "
+         "only some processes log, or a rank-dependent branch around the call); no value was exchanged. Each "
+         "process reduced:"),
+        *(f"  process {p}: {{{side(p)[0]}}} at {side(p)[1]}" for p in range(len(everyone))),
+    ]
+    raise pp.CollectiveError("\n".join(lines), operation=operation, axis=DATA, rank=rank)
 
 
 def gather_rows(array: Any, runtime: JaxRuntime, operation: str, rank: int) -> Any:
@@ -322,7 +411,8 @@ def reduce_metrics(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int,
                 if not all(_process_local(x) for x in ((v.total, v.count) if isinstance(v, pp.Mean) else (v,)))}
     local = {n: ((jnp.asarray(v.total, jnp.float32), jnp.asarray(v.count, jnp.float32)) if isinstance(v, pp.Mean)
                  else jnp.asarray(v, jnp.float32)) for n, v in metrics.items() if n not in spanning}
-    gathered = _gather_processes(local, runtime, "reduce_metrics", rank)
+    signature = metric_signature(metrics, strategy.metric_policy, spanning)
+    gathered = _gather_processes(local, runtime, "reduce_metrics", rank, signature=signature)
     keep = runtime.representative_processes()
     reducers: dict[str, Callable[..., Any]] = {"mean": jnp.mean, "sum": jnp.sum, "max": jnp.max, "min": jnp.min}
     out = {}

@@ -27,7 +27,9 @@ when a group is torn down under a pending operation); it only drops references.
 (``collective`` + ``wait``) is recorded in the process's collective trace
 (:mod:`polyparallel._trace`; off with ``POLYPARALLEL_TRACE=0``). A timeout's error says what every
 rank of the group was doing, read through the side channel of :mod:`polyparallel_torch.tracing`
-(started when the groups are made), and a failure writes the trace to the trace directory.
+(started when the groups are made); so does a backend failure that is not a timeout (a peer's
+connection closed: the peer's last state says whether it finished or failed, and where), after
+a shorter wait. A failure writes the trace to the trace directory.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ from .backend_errors import is_timeout
 from .process_groups import default_device, resolved_backend
 
 __all__ = ["BoundedCollectives"]
+
+PEER_GONE_WAIT_S = 1.0
+"""How long a collective that failed without timing out (a peer's connection closed) waits for
+the peers' states on the side channel: a live rank's thread answers within its poll interval, an
+ended one's last state is already there."""
 
 
 class BoundedCollectives:
@@ -178,20 +185,25 @@ class BoundedCollectives:
         kind = pp.CollectiveTimeout if timed_out else pp.CollectiveError
         what = (f"did not complete within the strategy's timeout of {self.timeout_s:g} s"
                 if timed_out else "failed")
-        summary, details = self._hang_report(axis) if timed_out else ("", "")
+        # A timeout asks every rank of the group what it is doing; a peer that went away (gloo's
+        # "Connection closed by peer") is asked too, briefly: its last state says whether it
+        # finished or failed, and where ("rank 1 failed in f (x.py:3) with ValueError").
+        summary, details = self._hang_report(axis) if timed_out else self._hang_report(axis, PEER_GONE_WAIT_S)
         error = kind(
             f"{label or operation} over the {axis!r} axis {what} on rank {self.rank} (group ranks "
             f"{self.group_ranks(axis)}): {summary + '. ' if summary else 'a peer did not join or has exited. '}"
             f"Every rank of the group must call {operation}. Backend said: {exception_summary(exc)}{details}",
             operation=operation, axis=axis, rank=self.rank,
         )
+        if summary:
+            error.peers_named = True  # type: ignore[attr-defined]  # it says what the peers did (launchers' root cause)
         self.mark_broken(str(error).splitlines()[0])
         raise error from exc
 
-    def _hang_report(self, axis: str) -> tuple[str, str]:
+    def _hang_report(self, axis: str, wait_s: float | None = None) -> tuple[str, str]:
         from .tracing import hang_report
 
-        return hang_report(self, axis)
+        return hang_report(self, axis, wait_s)
 
     def wait(self, work: Any, operation: str, axis: str, label: str | None = None, *, record: bool = True) -> None:
         """Wait for an async collective no longer than the strategy's timeout (in the trace, the

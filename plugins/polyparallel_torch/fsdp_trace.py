@@ -35,6 +35,11 @@ A failure of the collective (a peer that never joins: gloo's timeout) is raised 
 channel, what every rank of the data group was doing, and the runtime is marked broken, as for
 any runtime collective; a broken or closed runtime refuses the next FSDP collective.
 
+Not recorded: the all-reduce over the replicate dimension of HSDP (:func:`.sharding.replicate_module`):
+torch calls ``dist.all_reduce`` for it itself (no custom comm, torch 2.9 and 2.13), and its one
+hook there, ``set_all_reduce_hook``, runs after the all-reduce returned (it could not show a rank
+waiting in it) and is the user's only slot.
+
 ``POLYPARALLEL_TRACE_FSDP=0`` installs nothing (FSDP's own comms, unrecorded). Where torch lacks
 the API (older torch), nothing is installed either (:func:`supported`).
 """

@@ -296,14 +296,16 @@ def release(channel: SideChannel) -> None:
         channel.close()
 
 
-def hang_report(runtime: Any, axis: str) -> tuple[str, str]:
-    """What every rank of ``axis``'s group was doing, for a timeout's message: ``(summary, details)``
-    (the summary goes on the error's first line, the details, such as stacks, below it);
-    ``("", "")`` without a channel."""
+def hang_report(runtime: Any, axis: str, wait_s: float | None = None) -> tuple[str, str]:
+    """What every rank of ``axis``'s group was doing, for a timeout's message (or a backend
+    failure's): ``(summary, details)`` (the summary goes on the error's first line, the details,
+    such as stacks, below it); ``("", "")`` without a channel. The answers are awaited ``wait_s``
+    at most (default: a quarter of the strategy's timeout, 1 to 5 s)."""
     channel: SideChannel | None = getattr(runtime, "side_channel", None)
     if channel is None:
         return "", ""
-    wait_s = min(5.0, max(1.0, runtime.timeout_s / 4))
+    if wait_s is None:
+        wait_s = min(5.0, max(1.0, runtime.timeout_s / 4))
     try:
         states = channel.collect(runtime.group_ranks(axis), wait_s)
     except Exception as exc:  # the store failed too: say so rather than hide the timeout

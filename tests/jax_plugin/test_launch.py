@@ -104,6 +104,59 @@ def test_a_process_that_skips_a_collective_times_out_and_its_trace_shows_where(m
     assert rows[-1][0] == "!" and "[failed]" in rows[-1][4] and rows[-1][5] == "-", rows  # process 1 never came
 
 
+def _different_metrics(case: str):
+    """Process 0 reduces ``loss``, process 1 ``acc`` (``keys``) or ``loss`` of another shape
+    (``shapes``), after a first reduce_metrics every process makes alike; returns what each raised."""
+    import jax
+    import jax.numpy as jnp
+
+    from polyparallel_jax.conformance import plugin_manager
+
+    strategy = pp.Strategy(data=2, timeout=60, runtime="jax", plugin_manager=plugin_manager())
+    strategy.reduce_metrics({"loss": pp.Mean(1.0, 1)})
+    mine = float(jax.process_index())
+    try:
+        if jax.process_index() == 0:
+            strategy.reduce_metrics({"loss": mine})  # process 0: loss
+        elif case == "keys":
+            strategy.reduce_metrics({"acc": mine})  # process 1: acc
+        else:
+            strategy.reduce_metrics({"loss": jnp.full(3, mine)})  # process 1: loss[3]
+    except pp.CollectiveError as exc:
+        after = strategy.reduce_metrics({"loss": pp.Mean(mine, 1)})  # the processes are still in step
+        return {"error": str(exc), "after": float(after["loss"])}
+    return {"error": None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["keys", "shapes"])
+def test_processes_reducing_different_metrics_fail_at_once_naming_both(monkeypatch, case):
+    # Before: process_allgather paired {"loss"} with {"acc"} by position and both returned the
+    # mean of the two (0.5) under different names; the shapes case failed (or hung) inside XLA.
+    import time
+
+    from polyparallel_jax.conformance import plugin_manager
+
+    _tests_on_path(monkeypatch)
+    strategy = pp.Strategy(data=2, runtime="jax", plugin_manager=plugin_manager())
+    started = time.monotonic()
+    results = pp.launch(_different_metrics, strategy, 2, args=(case,), timeout=150)
+    assert time.monotonic() - started < 50, "at once, not after the strategy's timeout of 60 s"
+    theirs = "acc:mean[]" if case == "keys" else "loss:mean[3]"
+    at0, at1 = _line("process 0: loss"), _line("process 1: acc" if case == "keys" else "process 1: loss[3]")
+    for process, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, results
+        first = error.splitlines()[0]
+        assert first.startswith(f"reduce_metrics over the 'data' axis refused on rank {process} (JAX process "
+                                f"{process} of 2): the processes reduce different metrics"), error
+        assert (f"{{loss:mean[]}} on process 0 vs {{{theirs}}} on process 1 (called at test_launch.py:{at0} and "
+                f"test_launch.py:{at1})") in first, error
+        assert "no value was exchanged" in error, error
+        assert result["after"] == 0.5, results
+
+
 def _line(marker: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if marker in line and "_line(" not in line)

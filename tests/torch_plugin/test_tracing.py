@@ -211,6 +211,97 @@ def test_cli_launch_prints_the_first_failing_rank_once_and_trace_shows_the_timel
 
 
 
+PEER_FAILS_SCRIPT = """
+import polyparallel as pp
+
+
+def bad_batch(step):
+    raise ValueError(f"bad batch at step {step}")
+
+
+s = pp.Strategy(data=2, timeout=60)
+s.reduce_metrics({"loss": 1.0})
+if s.rank == 1:
+    bad_batch(3)
+s.reduce_metrics({"loss": 2.0})  # rank 0 goes on
+"""
+
+PEER_FINISHES_SCRIPT = """
+import polyparallel as pp
+from polyparallel_torch.launchers.records import explains
+
+s = pp.Strategy(data=2, timeout=60)
+s.reduce_metrics({"loss": 1.0})
+if s.rank == 0:
+    try:
+        s.reduce_metrics({"loss": 2.0})  # one more, rank 0 only
+    except pp.CollectiveError as exc:
+        print(f"explained: {explains(exc)}", flush=True)  # the launchers' root cause: it names the peers' side
+        raise
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["fails", "finishes"])
+def test_cli_launch_a_peer_that_failed_or_finished_is_named_with_its_outcome(tmp_path, case):
+    # Before: "a peer did not join or has exited" (gloo's "Connection closed by peer" is not a
+    # timeout, so the side channel was not asked). The strategy's timeout (60 s) is far above what
+    # the launch may take: the report comes from the peer's published outcome, not from a timeout.
+    import subprocess
+
+    script = tmp_path / "job.py"
+    script.write_text(PEER_FAILS_SCRIPT if case == "fails" else PEER_FINISHES_SCRIPT)
+    started = time.monotonic()
+    proc = subprocess.run(_cli("launch", "--nproc-per-node", "2", str(script), timeout=100), capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=110)
+    took = time.monotonic() - started
+    err = proc.stderr
+    assert proc.returncode not in (0, 124, 137), proc.stdout + err
+    assert took < 40, (took, err)  # not the strategy's timeout of 60 s
+    rank0 = next(line for line in err.splitlines() if line.startswith("[rank 0] CollectiveError: reduce_metrics #2"))
+    assert "failed on rank 0 (group ranks [0, 1])" in rank0, err
+    assert "did not join" not in rank0 and "has exited" not in rank0, err
+    assert "rank 0 waits in reduce_metrics #2 (job.py:" in rank0, err
+    report = err[err.index("polyparallel launch: "):]
+    if case == "fails":
+        assert ("rank 1 failed in bad_batch (job.py:6) with ValueError (its last collective: reduce_metrics #1 "
+                "(job.py:10, done))") in rank0, err
+        # The launcher's report: rank 1's ValueError is the cause, rank 0's failure a consequence naming it.
+        assert report.startswith("polyparallel launch: rank 1 of 2 failed: ValueError: bad batch at step 3"), err
+        assert "rank 0: CollectiveError" in report and "rank 1 failed in bad_batch (job.py:6)" in report, err
+    else:
+        assert "rank 1 finished (its last collective: reduce_metrics #1 (job.py:6, done))" in rank0, err
+        assert "explained: True" in proc.stdout, proc.stdout
+        assert report.startswith("polyparallel launch: rank 0 of 2 failed: CollectiveError: reduce_metrics #2"), err
+        assert "rank 1 finished" in report.splitlines()[0], err
+
+
+def _peer_fails_in_a_function(strategy):
+    strategy.reduce_metrics({"loss": 1.0})  # both ranks
+    if strategy.rank == 1:
+        _bad_batch(3)
+    strategy.reduce_metrics({"loss": 2.0})  # rank 0 goes on
+    return strategy.rank
+
+
+@pytest.mark.timeout(120)
+def test_launch_a_peer_that_failed_is_named_where_and_how_by_the_rank_it_left_behind():
+    # pp.launch (torch.multiprocessing): as under `polyparallel launch` above.
+    strategy = pp.Strategy(data=2, timeout=60)
+    started = time.monotonic()
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_peer_fails_in_a_function, strategy, 2, args=(strategy,), timeout=100)
+    assert time.monotonic() - started < 40, "the peer's outcome, not the strategy's timeout"
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 failed: ValueError: bad batch at step 3"), text
+    here = os.path.basename(__file__)
+    rank0 = next(line for line in text.splitlines() if line.startswith("  rank 0: CollectiveError"))
+    assert (f"rank 1 failed in _bad_batch ({here}:{source_line(_bad_batch, 'raise ValueError')}) with ValueError "
+            f"(its last collective: reduce_metrics #1 ({here}:{source_line(_peer_fails_in_a_function, '# both ranks')}"
+            ", done))") in rank0, text
+    assert "did not join" not in rank0, text
+
+
 def _bad_batch(step):
     raise ValueError(f"bad batch at step {step}")
 

@@ -55,7 +55,8 @@ def failure_record(exc: BaseException, rank: int, world_size: int | None) -> dic
 def explains(exc: BaseException) -> bool:
     """Whether ``exc`` is a polyparallel report that says what the peers were doing: a
     :class:`polyparallel.CollectiveTimeout` (with its hang report) or the desync error of an
-    identity check, which names both sides (``peers_named``)."""
+    identity check, which names both sides, or a backend failure with the peers' states from the
+    side channel, "rank 1 finished" (``peers_named``)."""
     return isinstance(exc, pp.CollectiveTimeout) or bool(getattr(exc, "peers_named", False))
 
 
