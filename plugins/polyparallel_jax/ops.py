@@ -146,7 +146,8 @@ def describe(tree: Any) -> str:
 
 def _gather_processes(tree: Any, runtime: JaxRuntime, operation: str, rank: int, signature: str | None = None) -> Any:
     """``tree`` of every process (stacked on a new first axis), bounded and traced. With a
-    ``signature`` (what the tree holds, by name: :func:`metric_signature`), the processes first
+    ``signature`` (what the tree holds, by name: :func:`metric_signature`, or ``sync_states``' names,
+    actions, shapes and dtypes), the processes first
     exchange their signatures (a buffer of one fixed shape on every process, so the exchange
     itself never mismatches) and, when they differ, every process raises the same
     :class:`polyparallel.CollectiveError` naming both sides before any value travels: a gather of
@@ -197,6 +198,17 @@ def metric_signature(metrics: Mapping[str, Any], policy: pp.MetricPolicy, spanni
     return ", ".join(parts)
 
 
+_MISMATCH = {
+    "reduce_metrics": ("reduce different metrics", "Every process must reduce the same metric names, with the same "
+                       "shapes, in each reduce_metrics (a key only some processes log, or a rank-dependent branch "
+                       "around the call); no value was exchanged. Each process reduced:"),
+    "sync_states": ("synchronise different states", "Every process must synchronise the same states (the same names, "
+                    "actions, shapes and dtypes) in each sync_states (a state only some processes hold, or a "
+                    "rank-dependent branch around the call); no value was exchanged. Each process synchronised:"),
+}
+"""What a signature mismatch of each host-side operation says: the headline, and the advice."""
+
+
 def _check_signatures(signature: str, where: str, operation: str, rank: int) -> None:
     """Exchange ``signature`` (and ``where``: the caller's location) between the processes; raise
     the same :class:`polyparallel.CollectiveError` on every process when they differ."""
@@ -225,13 +237,12 @@ def _check_signatures(signature: str, where: str, operation: str, rank: int) -> 
     other = next(p for p in range(len(everyone)) if not (everyone[p][:32] == buffer[:32]).all())
     first, second = sorted((me, other))
     (sig_a, at_a), (sig_b, at_b) = side(first), side(second)
+    headline, advice = _MISMATCH.get(operation, _MISMATCH["reduce_metrics"])
     lines = [
         (f"{operation} over the {DATA!r} axis refused on rank {rank} (JAX process {me} of {len(everyone)}): the "
-         f"processes reduce different metrics: {{{sig_a}}} on process {first} vs {{{sig_b}}} on process {second} "
+         f"processes {headline}: {{{sig_a}}} on process {first} vs {{{sig_b}}} on process {second} "
          f"(called at {at_a} and {at_b})."),
-        ("Every process must reduce the same metric names, with the same shapes, in each reduce_metrics (a key "
-         "only some processes log, or a rank-dependent branch around the call); no value was exchanged. Each "
-         "process reduced:"),
+        advice,
         *(f"  process {p}: {{{side(p)[0]}}} at {side(p)[1]}" for p in range(len(everyone))),
     ]
     raise pp.CollectiveError("\n".join(lines), operation=operation, axis=DATA, rank=rank)
@@ -503,7 +514,12 @@ def sync_states(strategy: pp.Strategy, runtime: JaxRuntime | None, rank: int, st
                if action != "local" and _process_local(value_of(leaf))]
     if not combine:
         return states
-    gathered = _gather_processes([jnp.asarray(value_of(leaves[i])) for i in combine], runtime, "sync_states", rank)
+    values = [jnp.asarray(value_of(leaves[i])) for i in combine]
+    # Compared before the gather, as reduce_metrics' names are: a gather pairs leaves by position,
+    # so {"bn.mean"} on one process and {"bn.var"} on another would be averaged together.
+    named = jax.tree.leaves(names)
+    signature = ", ".join(sorted(f"{named[i]}:{acts[i]}{list(v.shape)}{v.dtype}" for i, v in zip(combine, values)))
+    gathered = _gather_processes(values, runtime, "sync_states", rank, signature=signature)
     keep = runtime.representative_processes()
     owner = keep[0]  # holds data coordinate 0: processes are laid out in mesh order
     out = list(leaves)

@@ -157,6 +157,56 @@ def test_processes_reducing_different_metrics_fail_at_once_naming_both(monkeypat
         assert result["after"] == 0.5, results
 
 
+def _different_states():
+    """Process 0 synchronises ``bn.running_mean``, process 1 ``bn.running_var`` (both ``mean`` by
+    the default rules, the same shape), after a first sync_states every process makes alike;
+    returns what each raised and a later sync_states' result."""
+    import jax
+    import jax.numpy as jnp
+
+    from polyparallel_jax.conformance import plugin_manager
+
+    strategy = pp.Strategy(data=2, timeout=60, runtime="jax", plugin_manager=plugin_manager())
+    strategy.sync_states({"bn": {"running_mean": jnp.ones(3)}})
+    mine = jnp.full(3, float(jax.process_index()))
+    try:
+        if jax.process_index() == 0:
+            strategy.sync_states({"bn": {"running_mean": mine}})  # process 0: running_mean
+        else:
+            strategy.sync_states({"bn": {"running_var": mine}})  # process 1: running_var
+    except pp.CollectiveError as exc:
+        after = strategy.sync_states({"bn": {"running_mean": mine}})  # the processes are still in step
+        return {"error": str(exc), "after": [float(v) for v in after["bn"]["running_mean"]]}
+    return {"error": None}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_processes_synchronising_different_states_fail_at_once_naming_both(monkeypatch):
+    # Before: process_allgather paired running_mean with running_var by position and both
+    # processes returned the mean of the two (0.5) under different names.
+    import time
+
+    from polyparallel_jax.conformance import plugin_manager
+
+    _tests_on_path(monkeypatch)
+    strategy = pp.Strategy(data=2, runtime="jax", plugin_manager=plugin_manager())
+    started = time.monotonic()
+    results = pp.launch(_different_states, strategy, 2, timeout=150)
+    assert time.monotonic() - started < 50, "at once, not after the strategy's timeout of 60 s"
+    at0, at1 = _line("process 0: running_mean"), _line("process 1: running_var")
+    for process, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, results
+        first = error.splitlines()[0]
+        assert first.startswith(f"sync_states over the 'data' axis refused on rank {process} (JAX process "
+                                f"{process} of 2): the processes synchronise different states"), error
+        assert (f"{{bn.running_mean:mean[3]float32}} on process 0 vs {{bn.running_var:mean[3]float32}} on process 1 "
+                f"(called at test_launch.py:{at0} and test_launch.py:{at1})") in first, error
+        assert "no value was exchanged" in error, error
+        assert result["after"] == [0.5, 0.5, 0.5], results
+
+
 def _line(marker: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if marker in line and "_line(" not in line)
