@@ -9,7 +9,7 @@ loop, as DeepSpeed asks) and its optimizer updates a float32 master copy, then c
 to bfloat16. This module compares that scheme with plain torch's autocast curve (the reference the
 other three frameworks are checked against) on the same problem as the torch module: the reference
 MLP without BatchNorm, seed 0, ``shard_data``'s samples in the same order (seed 0), SGD at the same
-rate, global batch 8, 2 epochs of 5 steps, data=2.
+rate, global batch 8, 2 epochs of 5 steps, data=2, ZeRO-0 (``Strategy(zero=)`` left at 0).
 
 What holds, and is asserted:
 
@@ -26,6 +26,10 @@ What holds, and is asserted:
   would not show in the curves; a control engine given ``gradient_clipping: 0.05`` does leave the
   tolerance (measured 2.8e-2 and 3.3e-2 on the two ranks' losses, 8.6e-2 on the weights), so a clipping difference is not
   silent here;
+- at ``accumulate=2`` (the same global batch in two micro-batches a rank; DeepSpeed's ZeRO-0 bf16
+  wrapper sums the micro-batch gradients in the bfloat16 module's ``.grad``, where autocast sums in
+  float32 ``.grad``): the same two tolerances against plain torch's curve (measured 5.6e-4 and
+  1.3e-3), and the master weights within 5e-4 of ``accumulate=1`` (measured 2.1e-4);
 - DeepSpeed at data=2 against DeepSpeed in one process (the whole global batch a step): the mean of
   the two ranks' losses within 1% of the one-process loss at every step (measured 2.3e-4) and the
   master weights within 5e-4 (measured 1.5e-4).
@@ -68,13 +72,16 @@ def _flat(tensors) -> dict[str, list[float]]:
     return {n: t.detach().reshape(-1).double().tolist() for n, t in tensors}
 
 
-def _deepspeed(strategy: pp.Strategy, **config) -> dict:
+def _deepspeed(strategy: pp.Strategy, accumulate: int = 1, **config) -> dict:
+    """DeepSpeed's engine on ``strategy``'s loader (each rank's batch of 4), cut into ``accumulate``
+    micro-batches a step (``replace(accumulate=)``: the global batch stays 8); the loss curve is each
+    step's mean micro-batch loss (equal halves: the rank's batch loss)."""
     from polyparallel_deepspeed.checkpoint import engine_state
     from polyparallel_deepspeed.testing import engine_params
     from polyparallel_torch.testing import LR
 
     model = _model()
-    engine = strategy.adapt("deepspeed", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+    engine = strategy.replace(accumulate=accumulate).adapt("deepspeed", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
                             config={"steps_per_print": 10_000, **config})
     dtype = engine.get_data_types()[0]  # the module's dtype: DeepSpeed converts the module, not the inputs
     loader = _loader(strategy)
@@ -82,10 +89,14 @@ def _deepspeed(strategy: pp.Strategy, **config) -> dict:
     for epoch in range(EPOCHS):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = nn.functional.cross_entropy(engine(x.to(dtype)).float(), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
+            step = []
+            for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate), strict=True):
+                loss = nn.functional.cross_entropy(engine(xs.to(dtype)).float(), ys)
+                engine.backward(loss)
+                engine.step()
+                step.append(float(loss.detach()))
+            losses.append(sum(step) / len(step))
+    assert engine.global_steps == len(losses) and engine.gradient_accumulation_steps() == accumulate
     master = engine_state(engine, False).model  # the optimizer's float32 copy, full
     return {"losses": losses, "module": engine_params(engine), "master": _flat(master.items()),
             "master dtypes": sorted({str(t.dtype) for t in master.values()}),
@@ -97,6 +108,7 @@ def _deepspeed_runs(strategy: pp.Strategy) -> dict:
     out = {"bf16": _deepspeed(strategy.replace(precision="bf16-mixed")), "32": _deepspeed(strategy.replace(precision="32"))}
     if strategy.topology.size("data") > 1:
         out["clip"] = _deepspeed(strategy.replace(precision="bf16-mixed"), gradient_clipping=CONTROL_CLIP)
+        out["accumulate"] = _deepspeed(strategy.replace(precision="bf16-mixed"), accumulate=2)
     return out
 
 
@@ -171,6 +183,14 @@ def test_deepspeed_bf16_curve_is_within_the_bf16_tolerances_of_the_autocast_curv
               f"weights {_max_diff(control['master'], bf16['params']):.2e}")
         assert _max_diff(control["master"], bf16["params"]) > BF16_ATOL
         assert _loss_rel(control["losses"], bf16["losses"]) > LOSS_RTOL
+        # accumulate=2 (DeepSpeed's ZeRO-0 bf16 wrapper sums the micro-batch gradients in the bfloat16
+        # module's .grad, autocast in float32 .grad): the same tolerances against autocast, and near accumulate=1
+        acc = ds["accumulate"]
+        print(f"rank {rank}: accumulate=2: loss {_loss_rel(acc['losses'], bf16['losses']):.2e}, master weights "
+              f"{_max_diff(acc['master'], bf16['params']):.2e} (vs accumulate=1: {_max_diff(acc['master'], engine['master']):.2e})")
+        assert _loss_rel(acc["losses"], bf16["losses"]) <= LOSS_RTOL
+        assert _max_diff(acc["master"], bf16["params"]) <= BF16_ATOL
+        assert _max_diff(acc["master"], engine["master"]) <= DATA_ATOL
 
 
 @pytest.mark.slow
