@@ -31,7 +31,7 @@ Against the autocast frameworks (plain torch's ``wrap_model``, Lightning, Ignite
 ``"bf16-mixed"``) this is a different scheme with the same tolerances:
 ``tests/deepspeed_plugin/test_precision_frameworks.py`` checks DeepSpeed's loss curve within 1%
 relative of plain torch's autocast curve and its float32 master weights within 2.5e-3 (data=2,
-accumulate 1 and 2), and equal to plain torch bit for bit at ``"32"``.
+accumulate 1 and 2, ZeRO 0-3), and equal to plain torch bit for bit at ``"32"``.
 
 A user config that says otherwise is refused, naming both values (:class:`polyparallel.TopologyError`):
 a ``bf16``/``fp16`` section whose ``enabled`` contradicts the Strategy (or any enabled section

@@ -9,7 +9,7 @@ loop, as DeepSpeed asks) and its optimizer updates a float32 master copy, then c
 to bfloat16. This module compares that scheme with plain torch's autocast curve (the reference the
 other three frameworks are checked against) on the same problem as the torch module: the reference
 MLP without BatchNorm, seed 0, ``shard_data``'s samples in the same order (seed 0), SGD at the same
-rate, global batch 8, 2 epochs of 5 steps, data=2, ZeRO-0 (``Strategy(zero=)`` left at 0).
+rate, global batch 8, 2 epochs of 5 steps, data=2, ZeRO-0 unless said otherwise.
 
 What holds, and is asserted:
 
@@ -30,6 +30,9 @@ What holds, and is asserted:
   wrapper sums the micro-batch gradients in the bfloat16 module's ``.grad``, where autocast sums in
   float32 ``.grad``): the same two tolerances against plain torch's curve (measured 5.6e-4 and
   1.3e-3), and the master weights within 5e-4 of ``accumulate=1`` (measured 2.1e-4);
+- at ZeRO 1, 2 and 3 (``Strategy(zero=)``: DeepSpeed's ZeRO optimizers, the master copy
+  partitioned): the same two tolerances against plain torch's curve (measured equal to ZeRO-0, bit
+  for bit, on this CPU);
 - DeepSpeed at data=2 against DeepSpeed in one process (the whole global batch a step): the mean of
   the two ranks' losses within 1% of the one-process loss at every step (measured 2.3e-4) and the
   master weights within 5e-4 (measured 1.5e-4).
@@ -109,6 +112,8 @@ def _deepspeed_runs(strategy: pp.Strategy) -> dict:
     if strategy.topology.size("data") > 1:
         out["clip"] = _deepspeed(strategy.replace(precision="bf16-mixed"), gradient_clipping=CONTROL_CLIP)
         out["accumulate"] = _deepspeed(strategy.replace(precision="bf16-mixed"), accumulate=2)
+        for zero in (1, 2, 3):
+            out[f"zero{zero}"] = _deepspeed(strategy.replace(precision="bf16-mixed", zero=zero))
     return out
 
 
@@ -191,6 +196,14 @@ def test_deepspeed_bf16_curve_is_within_the_bf16_tolerances_of_the_autocast_curv
         assert _loss_rel(acc["losses"], bf16["losses"]) <= LOSS_RTOL
         assert _max_diff(acc["master"], bf16["params"]) <= BF16_ATOL
         assert _max_diff(acc["master"], engine["master"]) <= DATA_ATOL
+        # ZeRO 1-3 (DeepSpeed's ZeRO optimizers, the float32 master partitioned): the same tolerances
+        for zero in (1, 2, 3):
+            sharded = ds[f"zero{zero}"]
+            loss, master = _loss_rel(sharded["losses"], bf16["losses"]), _max_diff(sharded["master"], bf16["params"])
+            print(f"rank {rank}: zero={zero}: loss {loss:.2e}, master weights {master:.2e} "
+                  f"(vs zero=0: {_max_diff(sharded['master'], engine['master']):.2e})")
+            assert sharded["clipping"] == 0.0 and sharded["master dtypes"] == ["torch.float32"], (zero, sharded)
+            assert loss <= LOSS_RTOL and master <= BF16_ATOL, (zero, loss, master)
 
 
 @pytest.mark.slow
