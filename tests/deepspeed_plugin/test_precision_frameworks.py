@@ -24,8 +24,8 @@ What holds, and is asserted:
   adapter writes ``gradient_clipping: 0.0`` (DeepSpeed clips at 1.0 by default, plain torch not at
   all), asserted on the engine. This problem's gradient norms stay under 1.0, so DeepSpeed's default
   would not show in the curves; a control engine given ``gradient_clipping: 0.05`` does leave the
-  tolerance (measured 2.8e-2 and 3.3e-2 on the two ranks' losses, 8.6e-2 on the weights), so a clipping difference is not
-  silent here;
+  tolerances (measured 2.8e-2 and 3.3e-2 on the two ranks' losses, 8.6e-2 on the weights), so a
+  clipping difference is not silent here;
 - at ``accumulate=2`` (the same global batch in two micro-batches a rank; DeepSpeed's ZeRO-0 bf16
   wrapper sums the micro-batch gradients in the bfloat16 module's ``.grad``, where autocast sums in
   float32 ``.grad``): the same two tolerances against plain torch's curve (measured 5.6e-4 and
