@@ -28,9 +28,9 @@ user registers is DDP's own business), and the cost is two Python calls per back
 
 ``POLYPARALLEL_TRACE_DDP=0`` installs nothing (DDP's own reduction, unrecorded, unchecked).
 Only a checked backward needs DDP's buckets on a group of their own; with ``GradPolicy(check=False)``
-or the recording off, ``wrap_model`` puts DDP on the data group itself (a second gloo group
-costs its threads' CPU on every step: 4.88 against 4.69 ms of process CPU a step in the
-Lightning benchmark, docs/benchmarks.md).
+or the recording off, ``wrap_model`` puts DDP on the data group itself, as torch's and
+Lightning's own DDP are (a second group is connections and threads that carry every bucket for
+nothing there; docs/benchmarks.md has what it measured).
 """
 
 from __future__ import annotations
