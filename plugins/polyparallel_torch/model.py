@@ -12,7 +12,7 @@
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op), its bucket
   all-reduces recorded and identity-checked once per backward (:mod:`.ddp_trace`; DDP over a
   second group of the data ranks, :meth:`~.runtime.TorchRuntime.ddp_group`, or over the data
-  group itself where the backward is not checked).
+  group itself with the recording off, ``POLYPARALLEL_TRACE_DDP=0``).
   Never DataParallel.
 - ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the
   mesh, after the tensor plan (:mod:`polyparallel_torch.sharding`); ``sync_grads`` is a no-op.
@@ -174,9 +174,8 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], str
 def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
     """``model`` (on the device) in DistributedDataParallel over the data ranks: the runtime's
     :meth:`~.runtime.TorchRuntime.ddp_group`, a second group of them, when each backward is
-    identity-checked (:mod:`.ddp_trace`); the data group itself when it is not
-    (``GradPolicy(check=False)``, ``POLYPARALLEL_TRACE_DDP=0``), where a second group would only
-    cost (its backend threads, on every step)."""
+    recorded (:mod:`.ddp_trace`); the data group itself with the recording off
+    (``POLYPARALLEL_TRACE_DDP=0``: plain DDP, as torch's and Lightning's own)."""
     kwargs = dict(options.get("ddp_kwargs") or {})
     if rt.device.type == "cuda":
         kwargs.setdefault("device_ids", [rt.device.index])
@@ -189,11 +188,12 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     from .ddp_trace import enabled, install
     from .precision import ddp_comm_hook
 
-    checked = enabled() and strategy.grad_policy.check
-    # Checked: over a second group of the data ranks, so that the backward's identity check (over
-    # the data group) is answered after the backward, not before its first bucket (.ddp_trace).
-    # Unchecked: nothing to keep apart; on the data group, as Lightning's and torch's own DDP.
-    group = rt.ddp_group() if checked else rt.group("data")
+    # Recorded: over a second group of the data ranks, so that the backward's identity check (over
+    # the data group) is answered after the backward, not before its first bucket (.ddp_trace);
+    # recorded only (GradPolicy(check=False)), so that a rank's operation out of step with its
+    # peer's backward waits into the hang report naming it instead of pairing with a bucket.
+    # Recording off: plain DDP, on the data group, as Lightning's and torch's own DDP.
+    group = rt.ddp_group() if enabled() else rt.group("data")
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **kwargs)
