@@ -27,6 +27,11 @@ the buckets are reduced exactly as DDP reduces them (a comm hook the precision p
 user registers is DDP's own business), and the cost is two Python calls per backward.
 
 ``POLYPARALLEL_TRACE_DDP=0`` installs nothing (DDP's own reduction, unrecorded, unchecked).
+With the recording off ``wrap_model`` puts DDP on the data group itself, as torch's and
+Lightning's own DDP are (the second group, connections and three threads a process, serves the
+recording: the check's late answer, and with ``GradPolicy(check=False)`` an out-of-step
+operation that waits into the hang report instead of pairing with a bucket; docs/benchmarks.md
+has what it measured).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op), its bucket
   all-reduces recorded and identity-checked once per backward (:mod:`.ddp_trace`; DDP over a
-  second group of the data ranks, :meth:`~.runtime.TorchRuntime.ddp_group`).
+  second group of the data ranks, :meth:`~.runtime.TorchRuntime.ddp_group`, or over the data
+  group itself with the recording off, ``POLYPARALLEL_TRACE_DDP=0``).
   Never DataParallel.
 - ``Strategy(zero=2|3)`` with ``data > 1``: FSDP2 ``fully_shard`` over the data dimension of the
   mesh, after the tensor plan (:mod:`polyparallel_torch.sharding`); ``sync_grads`` is a no-op.
@@ -171,8 +172,10 @@ def wrap_module(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], str
 
 
 def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strategy: pp.Strategy) -> nn.Module:
-    """``model`` (on the device) in DistributedDataParallel over the data ranks (the runtime's
-    :meth:`~.runtime.TorchRuntime.ddp_group`, a second group of them: see :mod:`.ddp_trace`)."""
+    """``model`` (on the device) in DistributedDataParallel over the data ranks: the runtime's
+    :meth:`~.runtime.TorchRuntime.ddp_group`, a second group of them, when each backward is
+    recorded (:mod:`.ddp_trace`); the data group itself with the recording off
+    (``POLYPARALLEL_TRACE_DDP=0``: plain DDP, as torch's and Lightning's own)."""
     kwargs = dict(options.get("ddp_kwargs") or {})
     if rt.device.type == "cuda":
         kwargs.setdefault("device_ids", [rt.device.index])
@@ -182,13 +185,18 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
         kwargs.setdefault("bucket_cap_mb", strategy.grad_policy.bucket_mb)
     # process_group=, not device_mesh=: given a sliced mesh, DDP installs its DTensor bridge
     # (forward hooks walking every parameter, ~10% of a small step here) even without DTensors.
+    from .ddp_trace import enabled, install
+    from .precision import ddp_comm_hook
+
+    # Recorded: over a second group of the data ranks, so that the backward's identity check (over
+    # the data group) is answered after the backward, not before its first bucket (.ddp_trace);
+    # recorded only (GradPolicy(check=False)), so that a rank's operation out of step with its
+    # peer's backward waits into the hang report naming it instead of pairing with a bucket.
+    # Recording off: plain DDP, on the data group, as Lightning's and torch's own DDP.
+    group = rt.ddp_group() if enabled() else rt.group("data")
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
-        # Over a second group of the data ranks: the backward's identity check (over the data
-        # group) is then answered after the backward, not before its first bucket (.ddp_trace).
-        ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.ddp_group(), **kwargs)
-    from .ddp_trace import install
-    from .precision import ddp_comm_hook
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **kwargs)
 
     # The bucket all-reduces recorded and identity-checked (.ddp_trace), then reduced by DDP's default
     # hook or, with reduce_dtype narrower than the gradients, the compress hook (cast, all-reduce, cast back).

@@ -108,7 +108,8 @@ class TorchRuntime(CheckedCollectives):
 
     def ddp_group(self) -> Any:
         """A second group of this rank's data-axis ranks, for DDP's gradient all-reduces alone
-        (made on first use, by every rank: call it where every rank does, as ``wrap_model``).
+        (made on first use, by every rank: call it where every rank does, as ``wrap_model``,
+        which asks for it only when DDP's backward is recorded).
 
         DDP's buckets travel there so that the identity check of a backward
         (:mod:`.ddp_trace`), which travels over the data group, can be answered after the

@@ -392,3 +392,34 @@ def test_a_hook_registered_on_the_ddp_model_reduces_and_the_backward_stays_recor
         assert r["no_sync_entries"] == 1, r
         assert r["own_group"], r  # DDP's buckets over a second group of the data ranks
     assert results[0]["grad"] == results[1]["grad"], results
+
+
+def _ddp_group_without_check(strategy, trace):
+    """DDP's process group with the recording off: the data group itself, the gradients still
+    averaged; recorded only (``GradPolicy(check=False)``): still the second group."""
+    from polyparallel_torch.runtime import get_runtime
+
+    if not trace:
+        os.environ["POLYPARALLEL_TRACE_DDP"] = "0"
+    try:
+        torch.manual_seed(0)
+        model = strategy.wrap_model(nn.Linear(4, 2))
+        rt = get_runtime(strategy.session())
+        model(torch.full((2, 4), float(strategy.rank + 1))).sum().backward()
+        return {"data_group": model.process_group is rt.group("data"), "second_group": rt._ddp_group is not None,
+                "grad": model.module.weight.grad.tolist()}
+    finally:
+        os.environ.pop("POLYPARALLEL_TRACE_DDP", None)
+
+
+@pytest.mark.timeout(200)
+def test_an_unrecorded_ddp_backward_reduces_over_the_data_group_itself(run):
+    # The second group serves the recording (the check's late answer; recorded only, an
+    # out-of-step operation that waits into the hang report); plain DDP needs none.
+    for policy, trace in ((pp.GradPolicy(check=False), True), (pp.GradPolicy(), False)):
+        strategy = pp.Strategy(data=2, grad_policy=policy)
+        results = run(_ddp_group_without_check, strategy, 2, strategy, trace, timeout=90)
+        for r in results:
+            assert r["data_group"] is not trace and r["second_group"] is trace, (policy, trace, r)
+        # the mean of rank 0's input (1) and rank 1's (2), times the batch of 2: 3.0 for each weight
+        assert results[0]["grad"] == results[1]["grad"] == [[3.0] * 4] * 2, results
