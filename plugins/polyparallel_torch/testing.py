@@ -97,6 +97,27 @@ def flat_params(model: nn.Module) -> dict[str, list[float]]:
     return {k: v.reshape(-1).double().tolist() for k, v in full_state(model).items() if k in names}
 
 
+def plain_loop(strategy: Any, model: nn.Module, loader: Any, epochs: int) -> dict[str, Any]:
+    """The plain torch loop the framework comparisons take as their reference: ``wrap_model``,
+    SGD at :data:`LR`, ``sync_grads`` after each backward, ``loader.sampler.set_epoch`` each epoch.
+    Returns each step's loss (this rank's micro-batch) and the final parameters (:func:`flat_params`)."""
+    import torch.nn.functional as F
+
+    model = strategy.wrap_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            strategy.sync_grads(model)
+            opt.step()
+            losses.append(float(loss.detach()))
+    return {"losses": losses, "params": flat_params(model)}
+
+
 def global_batches(n: int, global_batch: int, steps: int, seed: int) -> list[list[int]]:
     """The sample indices of each full global batch, in the epoch order of ``TopologySampler``
     (the data axis then strides each batch: replica r gets positions r, r+d, ...)."""

@@ -119,22 +119,9 @@ def _deepspeed_runs(strategy: pp.Strategy) -> dict:
 
 def _torch(strategy: pp.Strategy) -> dict:
     """Plain torch: ``wrap_model``'s autocast under DDP, as in the torch frameworks' comparison."""
-    from polyparallel_torch.testing import LR, flat_params
+    from polyparallel_torch.testing import plain_loop
 
-    model = strategy.wrap_model(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = _loader(strategy)
-    losses = []
-    for epoch in range(EPOCHS):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            strategy.sync_grads(model)
-            opt.step()
-            losses.append(float(loss.detach()))
-    return {"losses": losses, "params": flat_params(model)}
+    return plain_loop(strategy, _model(), _loader(strategy), EPOCHS)
 
 
 def _launch(fn, data: int, precision: str | None = None) -> list[dict]:

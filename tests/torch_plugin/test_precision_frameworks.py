@@ -44,22 +44,10 @@ def _model() -> nn.Module:
 
 
 def _torch(strategy: pp.Strategy) -> dict:
-    from polyparallel_torch.testing import LR, flat_params, reference_dataset
+    from polyparallel_torch.testing import plain_loop, reference_dataset
 
-    model = strategy.wrap_model(_model())
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = strategy.shard_data(reference_dataset(N), batch_size=GLOBAL, shuffle=True)
-    losses = []
-    for epoch in range(EPOCHS):
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            strategy.sync_grads(model)
-            opt.step()
-            losses.append(float(loss.detach()))
-    return {"losses": losses, "params": flat_params(model)}
+    return plain_loop(strategy, _model(), strategy.shard_data(reference_dataset(N), batch_size=GLOBAL, shuffle=True),
+                      EPOCHS)
 
 
 def _lightning(strategy: pp.Strategy) -> dict:
