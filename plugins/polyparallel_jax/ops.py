@@ -10,8 +10,9 @@ Two contexts, one meaning:
   (GSPMD reduced it), so single-process calls return it unchanged; with several processes,
   process-local values (a metric over the process's own rows) are gathered across processes,
   bounded by ``strategy.timeout``; ``reduce_metrics`` compares its metrics' names and shapes
-  between the processes first (:func:`metric_signature`), so different keys fail on every
-  process at once, naming both sides, instead of being paired by position.
+  between the processes first (:func:`metric_signature`), and ``sync_states`` its states' names,
+  actions, shapes and dtypes, so different keys fail on every process at once, naming both
+  sides, instead of being paired by position.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def _check_signatures(signature: str, where: str, operation: str, rank: int) -> 
          f"processes {headline}: {{{sig_a}}} on process {first} vs {{{sig_b}}} on process {second} "
          f"(called at {at_a} and {at_b})."),
         advice,
-        *(f"  process {p}: {{{side(p)[0]}}} at {side(p)[1]}" for p in range(len(everyone))),
+        *(f"  process {p}: {{{sig}}} at {at}" for p, (sig, at) in enumerate(map(side, range(len(everyone))))),
     ]
     raise pp.CollectiveError("\n".join(lines), operation=operation, axis=DATA, rank=rank)
 

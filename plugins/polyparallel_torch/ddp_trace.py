@@ -24,7 +24,8 @@ Python hook moves every bucket's all-reduce and its completion callback into Pyt
 autograd and the backend's threads (7% of an 8 ms step here, and 16% with the recording),
 and the hook slot is the user's (``ddp_comm_hook=``, the precision policy's compress hook). Here
 the buckets are reduced exactly as DDP reduces them (a comm hook the precision policy or the
-user registers is DDP's own business), and the cost is two Python calls per backward.
+user registers is DDP's own business), and the cost is four Python calls per backward (the forward
+hook, the gradient hook, two final callbacks; docs/operations/hangs.md has what they cost).
 
 ``POLYPARALLEL_TRACE_DDP=0`` installs nothing (DDP's own reduction, unrecorded, unchecked).
 With the recording off ``wrap_model`` puts DDP on the data group itself, as torch's and
