@@ -91,14 +91,29 @@ class GradPolicy:
     :param bucket_mb: size of the flat buffers gradients are packed into (one collective each);
         ``None`` (the default) leaves it to the runtime: DDP's own buckets (a small first bucket
         that starts communicating early in backward, then 25 MB), 25 MB flat buffers elsewhere.
-    :param check: check before every ``sync_grads`` that all ranks of the data group are at the
-        same call with the same gradient layout (one 16-byte all-reduce a call), so a rank that
-        skipped a ``sync_grads`` or runs another operation fails at once naming both sides; on a
-        DDP model, the same check is started once per ``backward()`` before DDP's gradient
-        all-reduces and answered when the gradients are computed (the torch runtime's
-        ``ddp_trace``). ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
+    :param check: check before every ``sync_grads`` that reduces gradients (a bare module's or a
+        list's: on the DDP and FSDP2 models of ``wrap_model`` torch reduced them in backward, see
+        ``check_backward``) that all ranks of the data group are at the same call with the same
+        gradient layout (one 16-byte all-reduce a call), so a rank that
+        skipped a ``sync_grads`` or runs another operation fails at once naming both sides.
+        ``False`` saves that all-reduce on the hot path; the mismatch is then found at the next
         checked operation (``reduce_metrics``, ``sync_states``) or by the timeout. Every other
         operation is always checked. Like every field, it must be the same on every rank.
+    :param check_backward: also identity-check the gradient reduction torch runs in ``backward()``
+        on a model ``wrap_model`` wrapped in DDP (the torch runtime at zero=0, Lightning, Ignite,
+        fastai) or FSDP2 (zero=2/3), or a pipeline stage's DDP. On DDP the check is started once
+        per ``backward()``, before DDP's gradient all-reduces, and answered when the gradients are
+        computed, so that an operation one rank runs while its peer is in a backward
+        (``self.log(..., sync_dist=True)`` of a key only one rank logs) fails at once naming both
+        sides; on FSDP2 and a pipeline stage it is ``sync_grads``'s check (there ``sync_grads``
+        has nothing to reduce). ``False`` (the default): every such backward is still recorded,
+        an operation out of step with it ends at the timeout in the hang report, which names the
+        peer's backward, its line and its stack, and ``sync_grads`` on these models does nothing,
+        as on DDP. Off by default because it is not free: one more all-reduce every step, waited
+        for (1.12x the step's CPU time on the 4.4 ms DDP step of ``benchmarks/bench_torch.py
+        --only ddp-trace``, about 0.5 ms a step under FSDP2 on gloo; on CUDA, a host/device
+        synchronisation per step), as torch keeps its own collective checks behind
+        ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Turn it on while looking for a desync.
     :param accumulate: gradient accumulation: the optimizer steps once every ``accumulate``
         micro-batches, and gradients are reduced over the data axis once per step, not per
         micro-batch. The global batch (``DataPolicy.batch_size``) is ``micro-batch x accumulate x
@@ -109,6 +124,7 @@ class GradPolicy:
     bucket_mb: float | None = None
     check: bool = True
     accumulate: int = 1
+    check_backward: bool = False
 
     def __post_init__(self) -> None:
         _choice("GradPolicy.op", self.op, ("mean", "sum"))
@@ -118,8 +134,10 @@ class GradPolicy:
                              f"({type(mb).__name__}).")
         if mb is not None and not 0 < mb < math.inf:
             raise ValueError(f"GradPolicy.bucket_mb must be > 0. Received: {mb!r}.")
-        if not isinstance(self.check, bool):
-            raise ValueError(f"GradPolicy.check must be True or False. Received: {self.check!r}.")
+        for name in ("check", "check_backward"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"GradPolicy.{name} must be True or False. Received: {value!r}.")
         n = self.accumulate
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"GradPolicy.accumulate must be a positive int (micro-batches per optimizer step). "

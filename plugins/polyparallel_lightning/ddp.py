@@ -13,8 +13,8 @@ arguments, ``setup_distributed`` (called by ``DDPStrategy.setup_environment``), 
 ``restore_checkpoint_after_setup``, ``lightning_restore_optimizer``, ``optimizers``. DDP communication hooks
 (``ddp_comm_hook=``, ``ddp_comm_state=``, ``ddp_comm_wrapper=``) are registered with torch's public
 ``DistributedDataParallel.register_comm_hook``, as Lightning does (on CUDA only: Lightning's rule): the
-runtime records and checks each backward without a hook (``polyparallel_torch.ddp_trace``), so DDP's
-hook slot is Lightning's.
+runtime records each backward without a hook (``polyparallel_torch.ddp_trace``; and checks it
+with ``GradPolicy(check_backward=True)``), so DDP's hook slot is Lightning's.
 """
 
 from __future__ import annotations

@@ -10,14 +10,24 @@ against a bucket all-reduce and the job ends with a raw backend timeout raised i
 prepares a synchronising backward (grad enabled and ``require_backward_grad_sync``: not under
 ``no_sync``), it puts a gradient hook on the output tensors. The first of those to fire is the
 start of that backward, before any gradient exists and so before any bucket is reduced: there the
-runtime runs its identity check over the data group
+backward's trace entry opens, ``DDP gradient all-reduce`` at the user's ``loss.backward()``
+line (``#N``, its sequence number, when checked), and it stays open until DDP has waited for its
+last bucket (an autograd final callback queued after DDP's own). DDP's buckets travel over a second group of the data ranks
+(:meth:`~polyparallel_torch.runtime.TorchRuntime.ddp_group`), so an operation a rank runs while
+its peer is in a backward (``self.log(..., sync_dist=True)`` of a key only one rank logs) never
+pairs with a bucket: it waits, and its timeout's hang report names the peer's backward, its line
+and its stack. (On one group it would pair with a bucket of another size, and gloo aborts the
+process.) When the backward is the side that times out, DDP raises gloo's error from C++;
+:func:`explained` turns it into the runtime's ``CollectiveTimeout`` with that report.
+
+With ``GradPolicy(check_backward=True)`` the runtime also runs its identity check over the data
+group at the backward's start
 (:meth:`~polyparallel_torch.identity_checks.CheckedCollectives.check`: one int64 all-reduce of a
 hash of the operation, its sequence number and the gradients' size and dtype), the same check
-every polyparallel operation makes, so an out-of-step operation fails at once on both ranks
-naming both sides ("self.log('only0', sync_dist=True) #1 on rank 0 vs DDP gradient all-reduce #1
-on rank 1"), and a silent peer makes the check time out with the hang report. With
-``GradPolicy(check=False)`` the backward is only recorded. The trace entry stays open until DDP
-has waited for its last bucket (an autograd final callback queued after DDP's own).
+every polyparallel operation makes, answered when the gradients are computed, so an out-of-step
+operation fails at once on both ranks naming both sides ("self.log('only0', sync_dist=True) #1 on
+rank 0 vs DDP gradient all-reduce #1 on rank 1"). It is opt-in because it costs one more
+all-reduce a step, waited for after the backward (docs/operations/hangs.md has the figures).
 
 Why not a communication hook (the first design): DDP runs its default reduction in C++; any
 Python hook moves every bucket's all-reduce and its completion callback into Python, on the
@@ -30,9 +40,8 @@ hook, the gradient hook, two final callbacks; docs/operations/hangs.md has what 
 ``POLYPARALLEL_TRACE_DDP=0`` installs nothing (DDP's own reduction, unrecorded, unchecked).
 With the recording off ``wrap_model`` puts DDP on the data group itself, as torch's and
 Lightning's own DDP are (the second group, connections and three threads a process, serves the
-recording: the check's late answer, and with ``GradPolicy(check=False)`` an out-of-step
-operation that waits into the hang report instead of pairing with a bucket; docs/benchmarks.md
-has what it measured).
+recording: an out-of-step operation that waits into the hang report instead of pairing with a
+bucket, and the checked backward's late answer; docs/benchmarks.md has what it measured).
 """
 
 from __future__ import annotations
@@ -43,9 +52,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import polyparallel as pp
 from polyparallel import _trace
+from polyparallel._errors import exception_summary
 
-__all__ = ["ENV", "OPERATION", "enabled", "install", "is_installed"]
+__all__ = ["ENV", "OPERATION", "enabled", "explained", "install", "is_installed"]
 
 ENV = "POLYPARALLEL_TRACE_DDP"
 """``0`` turns the recording off (the benchmarks' switch)."""
@@ -58,13 +69,46 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _finish_after(entry: _trace.Entry | None) -> Any:
+_IN_FLIGHT: list[Any] = [None]
+"""``(entry, runtime)`` of the recorded backward whose buckets DDP has not finished waiting for
+(``None`` otherwise): what :func:`explained` names when DDP's wait raises out of ``backward()``."""
+
+
+def explained(exc: BaseException) -> BaseException | None:
+    """The polyparallel error that explains ``exc``, a backend failure raised out of a recorded
+    DDP backward (gloo's "Timed out waiting 20000ms for recv", "Connection closed by peer"): a
+    :class:`polyparallel.CollectiveTimeout` (or ``CollectiveError``) naming the operation, with
+    the hang report of what every rank of the data group was doing, as the runtime's own
+    collectives raise (``None`` when ``exc`` is not such a failure: no backward in flight, or
+    not a backend error). DDP raises it from C++, in the reducer's wait, where no hook of ours
+    runs; the launchers (``pp.launch``, ``polyparallel launch``) call this on what a worker
+    raised before they report it."""
+    from .backend_errors import is_collective_failure
+
+    flight = _IN_FLIGHT[0]
+    if flight is None or flight[0].t1 is not None or not isinstance(exc, RuntimeError) or isinstance(exc, pp.PolyparallelError) \
+            or not is_collective_failure(exc):
+        return None
+    entry, rt = flight
+    _IN_FLIGHT[0] = None
+    try:  # the entry still open: the report says this rank waits in its backward
+        rt._collective_failed(exc, OPERATION, "data", None if entry.seq is None else f"{OPERATION} #{entry.seq}")
+    except pp.CollectiveError as error:
+        return error
+    finally:
+        _trace.Recorder.finish(entry, exception_summary(exc))
+    return None
+
+
+def _finish_after(entry: _trace.Entry | None, rt: Any) -> Any:
     """A final callback that queues the one finishing ``entry``: queued at the start of backward,
     it runs before DDP's finalize (queued when the last bucket is ready), and the one it queues
-    runs after it, once every bucket's reduction is waited for (not at all if that raises)."""
+    runs after it, once every bucket's reduction is waited for (not at all if that raises: then
+    :func:`explained` finishes it)."""
 
     def finish() -> None:
         _trace.Recorder.finish(entry)
+        _IN_FLIGHT[0] = None
 
     def requeue() -> None:
         torch.autograd.Variable._execution_engine.queue_callback(finish)
@@ -105,11 +149,12 @@ class _Recording:
             # Started now, over the data group, before any bucket exists; answered once the
             # gradients are computed (DDP's buckets travel over their own group meanwhile).
             answer = rt.start_check(OPERATION, "data", self.detail, skip=3)
-            callback = _answer_then_finish(answer)
+            callback = _answer_then_finish(answer, rt)
         elif rec is not None:
             entry = rec.enter(OPERATION, "data", None, self.detail, skip=2)
             entry.state = "running"
-            callback = _finish_after(entry)
+            _IN_FLIGHT[0] = (entry, rt)
+            callback = _finish_after(entry, rt)
         else:
             return
         if rec is not None:
@@ -117,13 +162,15 @@ class _Recording:
         torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def _answer_then_finish(answer: Any) -> Any:
+def _answer_then_finish(answer: Any, rt: Any) -> Any:
     """The final callback of a checked backward: wait for the check's answer (raising the desync
     error or the timeout out of ``backward()``), then queue the one finishing its entry."""
 
     def callback() -> None:
         _, entry = answer()
-        _finish_after(entry)()
+        if entry is not None:
+            _IN_FLIGHT[0] = (entry, rt)
+        _finish_after(entry, rt)()
 
     return callback
 
@@ -136,8 +183,9 @@ def _describe(ddp: nn.parallel.DistributedDataParallel) -> str:
 
 
 def install(ddp: nn.parallel.DistributedDataParallel, rt: Any, check: bool, hook: Any = None) -> None:
-    """Record (and with ``check``, identity-check) each synchronising backward of ``ddp`` over
-    ``rt``'s data group (unless :func:`enabled` says not); register ``hook`` (a comm hook taking
+    """Record each synchronising backward of ``ddp`` (and with ``check``, the policy's
+    ``check_backward``, identity-check it over ``rt``'s data group), unless :func:`enabled` says
+    not; register ``hook`` (a comm hook taking
     the group as its state: the precision policy's) when given, as DDP's own."""
     if hook is not None:
         ddp.register_comm_hook(ddp.process_group, hook)

@@ -10,7 +10,8 @@
   one rank); zero=1 is refused before launch (pipeline.py says why, and why not DDP).
 - ``data > 1`` alone: ``DistributedDataParallel`` over the data group only (DDP's reducer buckets
   and overlaps the all-reduce with backward; ``sync_grads`` is then a no-op), its bucket
-  all-reduces recorded and identity-checked once per backward (:mod:`.ddp_trace`; DDP over a
+  all-reduces recorded once per backward, and identity-checked with
+  ``GradPolicy(check_backward=True)`` (:mod:`.ddp_trace`; DDP over a
   second group of the data ranks, :meth:`~.runtime.TorchRuntime.ddp_group`, or over the data
   group itself with the recording off, ``POLYPARALLEL_TRACE_DDP=0``).
   Never DataParallel.
@@ -188,17 +189,17 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     from .ddp_trace import enabled, install
     from .precision import ddp_comm_hook
 
-    # Recorded: over a second group of the data ranks, so that the backward's identity check (over
-    # the data group) is answered after the backward, not before its first bucket (.ddp_trace);
-    # recorded only (GradPolicy(check=False)), so that a rank's operation out of step with its
-    # peer's backward waits into the hang report naming it instead of pairing with a bucket.
+    # Recorded: over a second group of the data ranks, so that a rank's operation out of step with
+    # its peer's backward waits into the hang report naming it instead of pairing with a bucket,
+    # and, checked (GradPolicy(check_backward=True)), so that the backward's identity check (over
+    # the data group) is answered after the backward, not before its first bucket (.ddp_trace).
     # Recording off: plain DDP, on the data group, as Lightning's and torch's own DDP.
     group = rt.ddp_group() if enabled() else rt.group("data")
     operation = "wrap_model (DDP parameter broadcast)"
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **kwargs)
 
-    # The bucket all-reduces recorded and identity-checked (.ddp_trace), then reduced by DDP's default
+    # The bucket all-reduces recorded (and with check_backward identity-checked: .ddp_trace), then reduced by DDP's default
     # hook or, with reduce_dtype narrower than the gradients, the compress hook (cast, all-reduce, cast back).
-    install(ddp, rt, strategy.grad_policy.check, ddp_comm_hook(options.get("precision", strategy.precision)))
+    install(ddp, rt, strategy.grad_policy.check_backward, ddp_comm_hook(options.get("precision", strategy.precision)))
     return ddp

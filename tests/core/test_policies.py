@@ -82,6 +82,8 @@ def test_grad_policy():
     ({"bucket_mb": 0}, r"GradPolicy\.bucket_mb must be > 0\. Received: 0\."),
     ({"bucket_mb": -1.5}, r"GradPolicy\.bucket_mb must be > 0\. Received: -1\.5\."),
     ({"bucket_mb": math.nan}, r"GradPolicy\.bucket_mb must be > 0\. Received: nan\."),
+    ({"check": 1}, r"GradPolicy\.check must be True or False\. Received: 1\."),
+    ({"check_backward": "yes"}, r"GradPolicy\.check_backward must be True or False\. Received: 'yes'\."),
 ])
 def test_grad_policy_invalid(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -193,6 +195,7 @@ POLICIES = [
     PrecisionPolicy("bf16-mixed"),
     PrecisionPolicy(compute_dtype="bfloat16", reduce_dtype="bfloat16"),
     GradPolicy(accumulate=4),
+    GradPolicy(check_backward=True),
 ]
 
 
@@ -257,6 +260,12 @@ def test_precision_refusals_say_what_to_do(kwargs, message):
     preset = kwargs.pop("preset", None)
     with pytest.raises(ValueError, match=message):
         PrecisionPolicy(preset, **kwargs)
+
+
+def test_the_ddp_backward_check_is_opt_in():
+    # Recorded always, identity-checked only when asked (one more all-reduce a step).
+    assert GradPolicy().check_backward is False and GradPolicy().check is True
+    assert GradPolicy(check_backward=True) != GradPolicy()
 
 
 def test_accumulate_is_a_positive_count():

@@ -74,14 +74,15 @@ def test_lightning_desync_and_hang_name_the_other_ranks_location(run):
     assert hang and hang.startswith("CollectiveTimeout: reduce (self.log sync_dist=True)"), r0
     first = hang.splitlines()[0]
     # Rank 1's last collective: the backward after its reduce (DDP's gradient all-reduces are recorded).
-    assert "rank 1 has not entered any collective since DDP gradient all-reduce #" in first, hang
-    assert f"({here}:{source_line(_worker, 'out[scenario] = failure_text')} via " in first, hang  # its fit's backward
+    # Recorded, not checked (the default): the entry has no sequence number.
+    assert "rank 1 has not entered any collective since DDP gradient all-reduce (" in first, hang
+    assert f"all-reduce ({here}:{source_line(_worker, 'out[scenario] = failure_text')} via " in first, hang  # its fit's backward
     assert reduce_at
     assert "rank 0 waits in reduce (self.log sync_dist=True)" in first, hang
     assert f"line {source_line(_module_class, 'hang: rank 1 skips')}, in on_train_batch_end" in hang, hang  # its stack
 
 
-def _log_on_rank_zero_only():
+def _log_on_rank_zero_only(checked=True, timeout=20):
     """A Lightning DDP fit in which rank 0 logs a key with ``sync_dist=True`` at every step and rank
     1 does not: rank 0's reduction meets rank 1's DDP gradient all-reduce (Lightning issue 19106)."""
     import torch
@@ -90,7 +91,7 @@ def _log_on_rank_zero_only():
     from polyparallel_lightning.testing import make_trainer, reference_module_class
     from polyparallel_torch.testing import reference_dataset
 
-    strategy = pp.Strategy(data=-1, timeout=20)
+    strategy = pp.Strategy(data=-1, timeout=timeout, grad_policy=pp.GradPolicy(check_backward=checked))
 
     class LogsOnRankZero(reference_module_class(NS)):
         def training_step(self, batch, batch_idx):
@@ -104,9 +105,10 @@ def _log_on_rank_zero_only():
 
 
 @pytest.mark.timeout(120)
-def test_a_sync_dist_log_of_one_rank_against_ddps_bucket_all_reduce_names_both_sides():
+def test_a_sync_dist_log_of_one_rank_against_a_checked_ddp_backward_names_both_sides_at_once():
     # Before: a raw `gloo ... Timed out waiting 20000ms for recv` raised in DDP's backward was the
     # headline, after the 20 s timeout, and the user's log line was never named.
+    # GradPolicy(check_backward=True): the backward's identity check finds it at once.
     started = time.monotonic()
     with pytest.raises(pp.LaunchError) as info:
         pp.launch(_log_on_rank_zero_only, pp.Strategy(data=2, timeout=20), 2, timeout=100)
@@ -123,3 +125,22 @@ def test_a_sync_dist_log_of_one_rank_against_ddps_bucket_all_reduce_names_both_s
     assert f"test_tracing.py:{source_line(_log_on_rank_zero_only, 'only0: rank 0 logs')}" in headline, message
     assert "Timed out" not in headline, message
     assert took < 20 + 15, took  # the two processes' start (Lightning, torch) and the failure, not the 20 s timeout
+
+
+@pytest.mark.timeout(120)
+def test_a_sync_dist_log_of_one_rank_against_a_recorded_ddp_backward_names_both_sides_at_the_timeout():
+    # The default (the backward recorded, not checked): rank 0's reduction and rank 1's bucket
+    # all-reduce wait (over two groups, so they never pair), and the timeout's report names both
+    # sides, the user's self.log line among them, whichever rank's report is the headline.
+    started = time.monotonic()
+    with pytest.raises(pp.LaunchError) as info:
+        pp.launch(_log_on_rank_zero_only, pp.Strategy(data=2, timeout=8), 2, args=(False, 8), timeout=100)
+    took = time.monotonic() - started
+    message = str(info.value)
+    headline = message.splitlines()[0]
+    assert "CollectiveTimeout" in headline, message
+    logged = source_line(_log_on_rank_zero_only, 'only0: rank 0 logs')
+    assert re.search(rf"self\.log\('only0', sync_dist=True\) #\d+ \(test_tracing\.py:{logged}\b", headline), message
+    assert re.search(r"rank 1 (entered|waits in|has not entered any collective since) DDP gradient all-reduce \(",
+                     headline), message
+    assert took < 8 + 30, took

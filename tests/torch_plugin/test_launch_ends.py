@@ -103,11 +103,12 @@ def _freeze_rank_one(marker):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def _rank_one_goes_silent(marker, record=False):
+def _rank_one_goes_silent(marker, record=False, checked=False):
     """DDP training; rank 1 stops training at step 3 (alive, busy elsewhere) while rank 0 goes on.
     Without DDP's bucket recording (``record``), rank 0's error is gloo's bare timeout in
-    backward, which names no peer; with it, the identity check of rank 0's backward times out with
-    the hang report."""
+    backward, which names no peer; with it, the launcher turns that timeout into polyparallel's,
+    with the hang report (with ``GradPolicy(check_backward=True)``, the identity check of rank 0's
+    backward times out with it)."""
     import torch
 
     import polyparallel as pp
@@ -115,7 +116,7 @@ def _rank_one_goes_silent(marker, record=False):
     if not record:
         os.environ["POLYPARALLEL_TRACE_DDP"] = "0"
 
-    s = pp.Strategy(data=-1, timeout=TIMEOUT)
+    s = pp.Strategy(data=-1, timeout=TIMEOUT, grad_policy=pp.GradPolicy(check_backward=checked))
     model = s.wrap_model(torch.nn.Linear(4, 1))
     for step in range(10**6):
         if step == 3 and s.rank == 1:
@@ -161,20 +162,31 @@ def test_a_rank_alive_but_silent_while_its_peers_time_out_is_named_as_the_suspec
 
 
 @pytest.mark.timeout(120)
-def test_with_ddps_buckets_recorded_a_silent_rank_is_named_by_its_peers_timeout(tmp_path):
-    # DDP's bucket all-reduces recorded (the default): rank 0's backward times out in polyparallel's
-    # check, whose hang report names rank 1, its last operation and its stack.
+@pytest.mark.parametrize("checked", [False, True], ids=["recorded", "checked"])
+def test_with_ddps_buckets_recorded_a_silent_rank_is_named_by_its_peers_timeout(tmp_path, checked):
+    # DDP's bucket all-reduces recorded (the default): gloo's timeout raised out of rank 0's
+    # backward becomes polyparallel's CollectiveTimeout, whose hang report names rank 1, its last
+    # operation and its stack (before: the bare gloo timeout, naming no peer). Checked
+    # (GradPolicy(check_backward=True)): the backward's identity check times out with that report.
     import polyparallel as pp
 
     marker = str(tmp_path / "silent-at")
+    strategy = pp.Strategy(data=2, timeout=TIMEOUT, grad_policy=pp.GradPolicy(check_backward=checked))
     with pytest.raises(pp.LaunchError) as info:
-        pp.launch(_rank_one_goes_silent, pp.Strategy(data=2, timeout=TIMEOUT), 2, args=(marker, True), timeout=100)
+        pp.launch(_rank_one_goes_silent, strategy, 2, args=(marker, True, checked), timeout=100)
     message, here = str(info.value), os.path.basename(__file__)
     first = message.splitlines()[0]
-    assert first.startswith("rank 0 of 2 failed: CollectiveTimeout: DDP gradient all-reduce #"), message
     backward = source_line(_rank_one_goes_silent, "rank 0 trains on")
-    assert re.search(rf"rank 1 has not entered any collective since DDP gradient all-reduce #\d+ \({here}:{backward}",
-                     first), message
+    if checked:
+        assert first.startswith("rank 0 of 2 failed: CollectiveTimeout: DDP gradient all-reduce #"), message
+        assert re.search(rf"rank 1 has not entered any collective since DDP gradient all-reduce #\d+ \({here}:{backward}",
+                         first), message
+    else:
+        assert first.startswith("rank 0 of 2 failed: CollectiveTimeout: DDP gradient all-reduce over the 'data' axis "
+                                "did not complete within the strategy's timeout"), message
+        assert f"rank 0 waits in DDP gradient all-reduce ({here}:{backward}" in first, message
+        assert f"rank 1 has not entered any collective since DDP gradient all-reduce ({here}:{backward}" in first, message
+        assert "Timed out waiting" in first, message  # gloo's words, as what the backend said
     assert f"line {source_line(_rank_one_goes_silent, 'rank 1 goes silent')}, in _rank_one_goes_silent" in message, message
 
 
@@ -207,3 +219,36 @@ def test_a_frozen_rank_of_a_cli_launch_is_killed_at_once_and_named(tmp_path):
     assert took < TIMEOUT + 6, took
     assert "polyparallel launch: rank 1 of 2 is the suspect: its peers' collectives timed out waiting for it, and it " \
            "was frozen" in proc.stderr, proc.stderr[-3000:]
+
+
+SILENT_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import torch
+    import polyparallel as pp
+
+    s = pp.Strategy(data=-1, timeout=float(sys.argv[1]))
+    model = s.wrap_model(torch.nn.Linear(4, 1))
+    for step in range(10**6):
+        if step == 3 and s.rank == 1:
+            time.sleep(600)  # rank 1 goes silent
+        model(torch.ones(2, 4)).sum().backward()  # rank 0 trains on
+""")
+
+
+@pytest.mark.timeout(150)
+def test_under_the_cli_launcher_a_ddp_backwards_backend_timeout_is_reported_with_the_hang_report(tmp_path):
+    # polyparallel launch's workers translate gloo's timeout raised out of a recorded DDP
+    # backward as pp.launch's do (before: gloo's bare "Timed out waiting" naming no peer).
+    script = tmp_path / "silent.py"
+    script.write_text(SILENT_SCRIPT)
+    proc = subprocess.run(["timeout", "-k", "10", "140", *_cli("--nproc-per-node", "2", str(script), str(TIMEOUT))],
+                          capture_output=True, text=True, timeout=145, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = proc.stderr
+    assert proc.returncode not in (0, 124), err[-3000:]
+    report = err[err.index("polyparallel launch: "):]
+    assert report.startswith("polyparallel launch: rank 0 of 2 failed: CollectiveTimeout: DDP gradient all-reduce over "
+                             "the 'data' axis did not complete within the strategy's timeout"), err[-3000:]
+    first = report.splitlines()[0]
+    assert "rank 0 waits in DDP gradient all-reduce (silent.py:11" in first, err[-3000:]
+    assert "rank 1 has not entered any collective since DDP gradient all-reduce (silent.py:11" in first, err[-3000:]
+    assert 'silent.py", line 10, in <module>' in report, err[-3000:]  # rank 1's stack: its sleep

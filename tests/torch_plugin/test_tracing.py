@@ -346,7 +346,7 @@ def test_a_timeout_says_which_peer_finished_and_which_failed_where():
 
 def _ddp_hook_composition(strategy):
     """On a DDP model the runtime wrapped: a comm hook registered later is DDP's own (it reduces
-    every bucket), the backward is still recorded and checked, and a second hook is refused by torch."""
+    every bucket), the backward is still recorded, and a second hook is refused by torch."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -387,7 +387,8 @@ def test_a_hook_registered_on_the_ddp_model_reduces_and_the_backward_stays_recor
         assert r["installed"] and r["calls"] == [0], r
         assert "can only be called once" in r["refused"], r
         assert r["name"].endswith("counting"), r
-        assert len(r["entries"]) == 1 and r["entries"][-1]["state"] == "done" and r["entries"][-1]["seq"] is not None, r
+        assert len(r["entries"]) == 1 and r["entries"][-1]["state"] == "done", r
+        assert r["entries"][-1]["seq"] is None, r  # recorded, not checked (GradPolicy.check_backward)
         assert r["entries"][-1]["detail"] == "2 gradients, 10 float32", r
         assert r["no_sync_entries"] == 1, r
         assert r["own_group"], r  # DDP's buckets over a second group of the data ranks
@@ -396,7 +397,7 @@ def test_a_hook_registered_on_the_ddp_model_reduces_and_the_backward_stays_recor
 
 def _ddp_group_without_check(strategy, trace):
     """DDP's process group with the recording off: the data group itself, the gradients still
-    averaged; recorded only (``GradPolicy(check=False)``): still the second group."""
+    averaged; recorded (the default): the second group."""
     from polyparallel_torch.runtime import get_runtime
 
     if not trace:
@@ -414,12 +415,13 @@ def _ddp_group_without_check(strategy, trace):
 
 @pytest.mark.timeout(200)
 def test_an_unrecorded_ddp_backward_reduces_over_the_data_group_itself(run):
-    # The second group serves the recording (the check's late answer; recorded only, an
-    # out-of-step operation that waits into the hang report); plain DDP needs none.
-    for policy, trace in ((pp.GradPolicy(check=False), True), (pp.GradPolicy(), False)):
+    # The second group serves the recording (an out-of-step operation waits into the hang report;
+    # checked, the check's late answer); plain DDP needs none.
+    for policy, trace in ((pp.GradPolicy(), True), (pp.GradPolicy(check_backward=True), False)):
         strategy = pp.Strategy(data=2, grad_policy=policy)
         results = run(_ddp_group_without_check, strategy, 2, strategy, trace, timeout=90)
         for r in results:
             assert r["data_group"] is not trace and r["second_group"] is trace, (policy, trace, r)
         # the mean of rank 0's input (1) and rank 1's (2), times the batch of 2: 3.0 for each weight
         assert results[0]["grad"] == results[1]["grad"] == [[3.0] * 4] * 2, results
+

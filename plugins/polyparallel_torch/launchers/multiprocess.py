@@ -227,7 +227,12 @@ def _run(rank: int, fn: Callable[..., Any], strategy: pp.Strategy, outdir: str, 
         return None
     except Stopped:
         raise
-    except BaseException as exc:
+    except BaseException as raised:
+        from ..ddp_trace import explained
+
+        # A backend error DDP raised out of a recorded backward becomes the runtime's own
+        # CollectiveTimeout/Error, with the hang report (the raw one is its cause).
+        exc = explained(raised) or raised
         set_outcome(exc)  # the peers' reports: "rank 1 failed in f (x.py:3) with ValueError"
         # Saved before any teardown: a peer that dies of our exit must not be reported instead of us.
         write_failure(error_path(outdir, rank), exc, rank, nprocs)

@@ -70,7 +70,12 @@ def main(argv: list[str] | None = None) -> None:
         set_outcome(None)  # the peers' reports: "rank 1 finished" (its runtime closes at exit)
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException as exc:
+    except BaseException as raised:
+        from ..ddp_trace import explained
+
+        # A backend error DDP raised out of a recorded backward: the runtime's own error, with the
+        # hang report (the raw one is its cause).
+        exc = explained(raised) or raised
         set_outcome(exc)
         record_error(exc)
         rank = os.environ.get("RANK", "?")
