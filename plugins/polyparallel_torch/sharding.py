@@ -173,10 +173,14 @@ def sharded_over_data(tensor: Any) -> bool:
 
 def sync_noop(target: nn.Module, rt: TorchRuntime, strategy: pp.Strategy, what: str) -> nn.Module:
     """``sync_grads`` on a module whose gradients torch reduced in backward (FSDP2, or the DDP
-    inside a pipeline stage): only the identity check of ``sync_grads`` (unless the GradPolicy
-    turns it off), so a rank that skipped one is found as with a bare module."""
+    inside a pipeline stage): nothing to reduce, as on a DDP model, and so by default nothing at
+    all (the backward's collectives are recorded: .fsdp_trace, .ddp_trace); with
+    ``GradPolicy(check_backward=True)`` the identity check of ``sync_grads``, so a rank that
+    skipped one or runs another operation is found at once, as with a bare module. (The check is
+    a blocking 16-byte all-reduce, about 0.5 ms a step on gloo here: the largest cost of the
+    FSDP2 step against a hand-written ``fully_shard`` loop, docs/benchmarks.md.)"""
     rt.ensure_usable("sync_grads", "data")
-    if rt.topology.size("data") > 1 and strategy.grad_policy.check:
+    if rt.topology.size("data") > 1 and strategy.grad_policy.check_backward:
         rt.check("sync_grads", "data", f"{what}: reduced in backward")
     return target
 

@@ -425,3 +425,25 @@ def test_an_unrecorded_ddp_backward_reduces_over_the_data_group_itself(run):
         # the mean of rank 0's input (1) and rank 1's (2), times the batch of 2: 3.0 for each weight
         assert results[0]["grad"] == results[1]["grad"] == [[3.0] * 4] * 2, results
 
+
+def _fsdp_sync_grads_collectives(strategy):
+    """The trace entries of ``sync_grads`` on an FSDP2 model (zero=2), whose gradients torch
+    reduced in backward: none by default, its identity check with ``check_backward``."""
+    model = strategy.wrap_model(nn.Linear(4, 2))
+    model(torch.ones(2, 4)).sum().backward()
+    before = len(_trace.get_recorder().entries)
+    strategy.sync_grads(model)
+    new = list(_trace.get_recorder().entries)[before:]
+    return [(e.operation, e.seq) for e in new]
+
+
+@pytest.mark.timeout(200)
+def test_sync_grads_on_an_fsdp2_model_runs_no_collective_unless_the_backward_check_is_asked_for(run):
+    # Before: a blocking identity check (0.5 ms a step on gloo) where DDP's sync_grads does nothing.
+    for checked in (False, True):
+        strategy = pp.Strategy(data=2, zero=2, grad_policy=pp.GradPolicy(check_backward=checked))
+        for entries in run(_fsdp_sync_grads_collectives, strategy, 2, strategy, timeout=90):
+            if checked:
+                assert [op for op, _ in entries] == ["sync_grads"] and entries[0][1] is not None, entries
+            else:
+                assert entries == [], entries
