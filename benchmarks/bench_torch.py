@@ -22,9 +22,9 @@
     same steps with ``GradPolicy(check=False)``, interleaved, in ``--launches`` separate launches
     (median and spread of the ratio);
 (b3) a DDP training step (the model of (b2), batch 64 per rank) with DDP's bucket all-reduces
-    recorded and identity-checked (:mod:`polyparallel_torch.ddp_trace`, the default: no comm hook,
-    the check started at the backward's start, answered after it), recorded
-    only (``GradPolicy(check=False)``), and off (``POLYPARALLEL_TRACE_DDP=0``), with a second
+    recorded (:mod:`polyparallel_torch.ddp_trace`, the default: no comm hook), recorded and
+    identity-checked (``GradPolicy(check_backward=True)``: the check started at the backward's
+    start, answered after it), and off (``POLYPARALLEL_TRACE_DDP=0``), with a second
     "off" model as the same-vs-same control, interleaved, in ``--launches`` separate launches:
     here the figures are step-time ratios against "off" (> 1: slower), and the same ratios of the
     CPU time of the thread running the step (which the machine's scheduling hardly moves).
@@ -408,26 +408,28 @@ def _ratio_rows(per_launch: list[dict[str, float]], names: tuple[str, ...], labe
 
 
 def _ddp_trace_worker(quick: bool) -> dict[str, float]:
-    """(b3): DDP training steps with the backward recorded and checked (polyparallel_torch.ddp_trace)
-    on, recording only (GradPolicy(check=False)), off, and off again (the same-vs-same control):
-    four DDP models of the same weights on the same data group, steps interleaved."""
+    """(b3): DDP training steps with the backward recorded (polyparallel_torch.ddp_trace, the
+    default), recorded and checked (GradPolicy(check_backward=True)), off, and off again (the
+    same-vs-same control): four DDP models of the same weights on the same data group, steps
+    interleaved."""
     from polyparallel_torch import ddp_trace
 
     strategy = pp.Strategy(data=2, timeout=120)
-    unchecked = strategy.replace(grad_policy=pp.GradPolicy(check=False))
-    models = {"on": strategy.wrap_model(_recording_mlp()), "recorded": unchecked.wrap_model(_recording_mlp())}
+    checked = strategy.replace(grad_policy=pp.GradPolicy(check_backward=True))
+    models = {"recorded": strategy.wrap_model(_recording_mlp()), "checked": checked.wrap_model(_recording_mlp())}
     os.environ[ddp_trace.ENV] = "0"
     models |= {"off": strategy.wrap_model(_recording_mlp()), "off again": strategy.wrap_model(_recording_mlp())}
     del os.environ[ddp_trace.ENV]
-    assert ddp_trace.is_installed(models["on"]) and not ddp_trace.is_installed(models["off"])
+    assert ddp_trace.is_installed(models["recorded"]) and not ddp_trace.is_installed(models["off"])
     return _interleaved_steps(models, quick)
 
 
 def ddp_trace_cost(quick: bool, launches: int) -> tuple[list[tuple[str, str, str]], dict[str, Any]]:
-    """(b3) over ``launches`` launches: median and spread of on/off, recorded/off and the control."""
+    """(b3) over ``launches`` launches: median and spread of recorded/off, checked/off and the control."""
     strategy = pp.Strategy(data=2, timeout=120)
     per_launch = [pp.launch(_ddp_trace_worker, strategy, 2, args=(quick,), timeout=900)[0] for _ in range(launches)]
-    rows, figures = _ratio_rows(per_launch, ("on", "recorded", "off again"), "DDP step, backward recording", launches)
+    rows, figures = _ratio_rows(per_launch, ("recorded", "checked", "off again"), "DDP step, backward recording",
+                                launches)
     return rows, {"ddp trace": figures}
 
 
