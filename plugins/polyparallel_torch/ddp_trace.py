@@ -95,6 +95,8 @@ def explained(exc: BaseException) -> BaseException | None:
         rt._collective_failed(exc, OPERATION, "data", None if entry.seq is None else f"{OPERATION} #{entry.seq}")
     except pp.CollectiveError as error:
         return error
+    except Exception:  # noqa: BLE001  (no report to be had: the launcher reports gloo's own error)
+        return None
     finally:
         _trace.Recorder.finish(entry, exception_summary(exc))
     return None

@@ -447,3 +447,26 @@ def test_sync_grads_on_an_fsdp2_model_runs_no_collective_unless_the_backward_che
                 assert [op for op, _ in entries] == ["sync_grads"] and entries[0][1] is not None, entries
             else:
                 assert entries == [], entries
+
+
+def test_a_ddp_backend_error_without_a_report_to_be_had_is_left_as_the_backend_said():
+    # ddp_trace.explained runs in the launchers' except blocks: if the report cannot be built (a
+    # runtime already closed, a side channel gone), gloo's own error is reported, nothing raised there.
+    from polyparallel_torch import ddp_trace
+
+    class Closed:
+        def _collective_failed(self, exc, operation, axis, label):
+            raise OSError("the side channel is closed")
+
+    raw = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms for "
+                       "recv operation to complete")  # gloo's words, as DDP raises them
+    assert ddp_trace.explained(raw) is None  # no backward in flight
+    entry = _trace.Recorder().enter(ddp_trace.OPERATION, "data", None)
+    ddp_trace._IN_FLIGHT[0] = (entry, Closed())
+    try:
+        assert ddp_trace.explained(ValueError("not a backend error")) is None
+        assert ddp_trace.explained(raw) is None
+        assert entry.state == "failed" and "Timed out waiting" in entry.error, entry.to_dict()
+        assert ddp_trace._IN_FLIGHT[0] is None
+    finally:
+        ddp_trace._IN_FLIGHT[0] = None
