@@ -18,7 +18,8 @@ samples per rank), in the same 2 gloo processes, over the same process group:
   shows the noise floor).
 
 The polyparallel step includes the plain loop's ``strategy.sync_grads(model)`` (a no-op under DDP
-and FSDP2 but its identity check, one 16-byte all-reduce), timed inside the step: the ratio
+and FSDP2: they reduced in backward; with ``GradPolicy(check_backward=True)`` FSDP2's runs its
+identity check, one 16-byte all-reduce), timed inside the step: the ratio
 without it is ``wrap_model``'s precision mapping alone.
 
 Within a launch the sides alternate step by step through every order of the three (a barrier
@@ -110,7 +111,7 @@ def _worker(strategy: pp.Strategy, steps: int) -> dict[str, dict[str, float]]:
             nn.functional.mse_loss(forward(x), y).backward()
             if name == "polyparallel":
                 start = time.perf_counter()
-                s.sync_grads(model)  # the plain loop's call (a no-op but its identity check)
+                s.sync_grads(model)  # the plain loop's call (a no-op under DDP and FSDP2)
                 sync_s = time.perf_counter() - start
             opt.step()
 

@@ -6,8 +6,8 @@ Three models of the same MLP (256-1024-1024-256, ~2.6M parameters) train with Ad
 batches (32 samples per rank), in the same 2 gloo processes, over the same process group:
 
 - polyparallel: ``Strategy(data=2, zero=3).wrap_model(model)`` (its default units: each Linear,
-  then the root) and ``strategy.sync_grads(model)`` each step (a no-op but its identity check,
-  one 16-byte all-reduce; ``GradPolicy(check=False)`` drops it);
+  then the root) and ``strategy.sync_grads(model)`` each step (a no-op: FSDP2 reduced in
+  backward; ``GradPolicy(check_backward=True)`` adds its identity check, one 16-byte all-reduce);
 - native: ``fully_shard`` by hand on the same units (the last one not resharded after forward,
   as wrap_model does), then on the root, over the runtime's own ``data`` mesh
   (``get_runtime(session).submesh("data")``), so both sides run the same collectives on the same

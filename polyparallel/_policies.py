@@ -101,7 +101,7 @@ class GradPolicy:
         operation is always checked. Like every field, it must be the same on every rank.
     :param check_backward: also identity-check the gradient reduction torch runs in ``backward()``
         on a model ``wrap_model`` wrapped in DDP (the torch runtime at zero=0, Lightning, Ignite,
-        fastai) or FSDP2 (zero=2/3), or a pipeline stage's DDP. On DDP the check is started once
+        fastai) or FSDP2 (zero=2/3), or a pipeline stage (FSDP2 or HSDP). On DDP the check is started once
         per ``backward()``, before DDP's gradient all-reduces, and answered when the gradients are
         computed, so that an operation one rank runs while its peer is in a backward
         (``self.log(..., sync_dist=True)`` of a key only one rank logs) fails at once naming both
@@ -110,7 +110,7 @@ class GradPolicy:
         an operation out of step with it ends at the timeout in the hang report, which names the
         peer's backward, its line and its stack, and ``sync_grads`` on these models does nothing,
         as on DDP. Off by default because it is not free: one more all-reduce every step, waited
-        for (1.12x the step's CPU time on the 4.4 ms DDP step of ``benchmarks/bench_torch.py
+        for (1.12x the step's CPU time on the 5.1 ms DDP step of ``benchmarks/bench_torch.py
         --only ddp-trace``, about 0.5 ms a step under FSDP2 on gloo; on CUDA, a host/device
         synchronisation per step), as torch keeps its own collective checks behind
         ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. Turn it on while looking for a desync.

@@ -79,38 +79,50 @@ def explained(exc: BaseException) -> BaseException | None:
     DDP backward (gloo's "Timed out waiting 20000ms for recv", "Connection closed by peer"): a
     :class:`polyparallel.CollectiveTimeout` (or ``CollectiveError``) naming the operation, with
     the hang report of what every rank of the data group was doing, as the runtime's own
-    collectives raise (``None`` when ``exc`` is not such a failure: no backward in flight, or
-    not a backend error). DDP raises it from C++, in the reducer's wait, where no hook of ours
-    runs; the launchers (``pp.launch``, ``polyparallel launch``) call this on what a worker
-    raised before they report it."""
+    collectives raise, carrying ``exc``'s traceback (so the peers' reports name the user's line).
+    ``None`` when ``exc`` is not such a failure (no backward in flight, not a backend error) or
+    when no report naming the peers can be had (the runtime closed, the side channel gone): the
+    launchers then report ``exc`` as the backend said. DDP raises it from C++, in the reducer's
+    wait, where no hook of ours runs; the launchers (``pp.launch``, ``polyparallel launch``) call
+    this on what a worker raised before they report it. It never raises."""
     from .backend_errors import is_collective_failure
 
     flight = _IN_FLIGHT[0]
-    if flight is None or flight[0].t1 is not None or not isinstance(exc, RuntimeError) or isinstance(exc, pp.PolyparallelError) \
-            or not is_collective_failure(exc):
+    if flight is None:
         return None
     entry, rt = flight
-    _IN_FLIGHT[0] = None
-    try:  # the entry still open: the report says this rank waits in its backward
+    try:
+        if isinstance(exc, pp.PolyparallelError) or not isinstance(exc, RuntimeError) \
+                or not is_collective_failure(exc) or getattr(rt, "closed", True):
+            return None  # the backward ended with this error (its entry is finished below)
+        # The entry still open: the report says this rank waits in its backward.
         rt._collective_failed(exc, OPERATION, "data", None if entry.seq is None else f"{OPERATION} #{entry.seq}")
     except pp.CollectiveError as error:
-        return error
-    except Exception:  # noqa: BLE001  (no report to be had: the launcher reports gloo's own error)
+        # Only a report that names what the peers did says more than gloo's own words.
+        return error.with_traceback(exc.__traceback__) if getattr(error, "peers_named", False) else None
+    except BaseException:  # noqa: BLE001  (called in the launchers' except blocks: nothing may raise there)
         return None
     finally:
-        _trace.Recorder.finish(entry, exception_summary(exc))
+        _finish(entry, exception_summary(exc))
     return None
+
+
+def _finish(entry: _trace.Entry | None, error: str | None = None) -> None:
+    """Mark ``entry`` done (or failed), and empty :data:`_IN_FLIGHT` if it holds that entry."""
+    _trace.Recorder.finish(entry, error)
+    flight = _IN_FLIGHT[0]
+    if flight is not None and flight[0] is entry:
+        _IN_FLIGHT[0] = None
 
 
 def _finish_after(entry: _trace.Entry | None, rt: Any) -> Any:
     """A final callback that queues the one finishing ``entry``: queued at the start of backward,
     it runs before DDP's finalize (queued when the last bucket is ready), and the one it queues
     runs after it, once every bucket's reduction is waited for (not at all if that raises: then
-    :func:`explained` finishes it)."""
+    :func:`explained`, or the next recorded forward, finishes it)."""
 
     def finish() -> None:
-        _trace.Recorder.finish(entry)
-        _IN_FLIGHT[0] = None
+        _finish(entry)
 
     def requeue() -> None:
         torch.autograd.Variable._execution_engine.queue_callback(finish)
@@ -132,6 +144,10 @@ class _Recording:
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.rt is None or not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)):
             return
+        stale = _IN_FLIGHT[0]
+        if stale is not None and torch._C._current_autograd_node() is None:
+            # A backward that raised and was caught (not one running now: a recomputed forward).
+            _finish(stale[0], "the backward raised before DDP finished waiting for its buckets")
         leaves = [t for t in torch.utils._pytree.tree_leaves(output)
                   if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if not leaves:

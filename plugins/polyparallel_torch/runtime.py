@@ -111,10 +111,13 @@ class TorchRuntime(CheckedCollectives):
         (made on first use, by every rank: call it where every rank does, as ``wrap_model``,
         which asks for it only when DDP's backward is recorded).
 
-        DDP's buckets travel there so that the identity check of a backward
-        (:mod:`.ddp_trace`), which travels over the data group, can be answered after the
-        backward instead of before its first bucket: on the data group, a mismatch's descriptor
-        exchange would meet the buckets already queued behind the check."""
+        DDP's buckets travel there so that an operation a rank runs while its peer is in a
+        recorded backward (:mod:`.ddp_trace`) waits on the data group, into the hang report,
+        instead of pairing with a bucket of another size (gloo aborts the process then); and so
+        that the identity check of a backward (``GradPolicy(check_backward=True)``), which
+        travels over the data group, can be answered after the backward instead of before its
+        first bucket: on the data group, a mismatch's descriptor exchange would meet the buckets
+        already queued behind the check."""
         if self._ddp_group is None:
             mesh = self.mesh.mesh
             dim = self.topology.axis_names.index("data")

@@ -27,8 +27,9 @@ Before sharding, ``wrap_model`` broadcasts the parameters and buffers from data 
 and FSDP1's ``sync_module_states``, do), so every stage starts from the same values.
 
 ``strategy.sync_grads(model)`` on an FSDP module is a no-op (FSDP reduce-scatters the gradients
-in backward); it still runs the runtime's identity check (unless ``GradPolicy(check=False)``), so
-a rank that skipped a ``sync_grads`` is reported as with a bare module. ``sync_states`` leaves
+in backward, its collectives recorded: :mod:`.fsdp_trace`); with
+``GradPolicy(check_backward=True)`` it runs the runtime's identity check, so a rank that skipped
+a ``sync_grads`` is reported as with a bare module. ``sync_states`` leaves
 tensors sharded over ``data`` alone (there are no replicas to average or copy) and applies the
 ``StatePolicy`` to the rest (buffers such as BatchNorm statistics).
 """
@@ -172,8 +173,8 @@ def sharded_over_data(tensor: Any) -> bool:
 
 
 def sync_noop(target: nn.Module, rt: TorchRuntime, strategy: pp.Strategy, what: str) -> nn.Module:
-    """``sync_grads`` on a module whose gradients torch reduced in backward (FSDP2, or the DDP
-    inside a pipeline stage): nothing to reduce, as on a DDP model, and so by default nothing at
+    """``sync_grads`` on a module whose gradients torch reduced in backward (FSDP2, or a pipeline
+    stage: FSDP2 or HSDP): nothing to reduce, as on a DDP model, and so by default nothing at
     all (the backward's collectives are recorded: .fsdp_trace, .ddp_trace); with
     ``GradPolicy(check_backward=True)`` the identity check of ``sync_grads``, so a rank that
     skipped one or runs another operation is found at once, as with a bare module. (The check is

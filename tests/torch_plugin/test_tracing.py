@@ -449,24 +449,47 @@ def test_sync_grads_on_an_fsdp2_model_runs_no_collective_unless_the_backward_che
                 assert entries == [], entries
 
 
-def test_a_ddp_backend_error_without_a_report_to_be_had_is_left_as_the_backend_said():
-    # ddp_trace.explained runs in the launchers' except blocks: if the report cannot be built (a
-    # runtime already closed, a side channel gone), gloo's own error is reported, nothing raised there.
+def test_a_ddp_backend_error_is_explained_only_by_a_report_that_names_the_peers():
+    # ddp_trace.explained runs in the launchers' except blocks: when no report naming the peers
+    # can be had (a runtime closed, a side channel gone, a report without the peers), gloo's own
+    # error is reported, and nothing raises there; a report that names them carries the raw
+    # error's traceback, so the peers' "rank 0 failed in ..." names the user's line.
     from polyparallel_torch import ddp_trace
 
-    class Closed:
-        def _collective_failed(self, exc, operation, axis, label):
-            raise OSError("the side channel is closed")
+    class Runtime:
+        closed = False
 
-    raw = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms for "
-                       "recv operation to complete")  # gloo's words, as DDP raises them
-    assert ddp_trace.explained(raw) is None  # no backward in flight
-    entry = _trace.Recorder().enter(ddp_trace.OPERATION, "data", None)
-    ddp_trace._IN_FLIGHT[0] = (entry, Closed())
+        def __init__(self, failure):
+            self.failure = failure
+
+        def _collective_failed(self, exc, operation, axis, label):
+            raise self.failure from exc
+
+    def raised():
+        try:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                               "8000ms for recv operation to complete")  # gloo's words, as DDP raises them
+        except RuntimeError as exc:
+            return exc
+
+    where = {"operation": ddp_trace.OPERATION, "axis": "data", "rank": 0}
+    named = pp.CollectiveTimeout("DDP gradient all-reduce over the 'data' axis did not complete: rank 1 waits in x",
+                                 **where)
+    named.peers_named = True
+    unnamed = pp.CollectiveTimeout("DDP gradient all-reduce ...: a peer did not join or has exited.", **where)
+    closed = Runtime(named)
+    closed.closed = True
+    assert ddp_trace.explained(raised()) is None  # no backward in flight
+    cases = [(Runtime(OSError("the side channel is closed")), raised(), None), (closed, raised(), None),
+             (Runtime(unnamed), raised(), None), (Runtime(named), ValueError("not a backend error"), None),
+             (Runtime(KeyboardInterrupt()), raised(), None), (Runtime(named), raised(), named)]
     try:
-        assert ddp_trace.explained(ValueError("not a backend error")) is None
-        assert ddp_trace.explained(raw) is None
-        assert entry.state == "failed" and "Timed out waiting" in entry.error, entry.to_dict()
-        assert ddp_trace._IN_FLIGHT[0] is None
+        for rt, exc, expected in cases:
+            entry = _trace.Recorder().enter(ddp_trace.OPERATION, "data", None)
+            ddp_trace._IN_FLIGHT[0] = (entry, rt)
+            assert ddp_trace.explained(exc) is expected, (rt.failure, exc)
+            assert entry.state == "failed" and type(exc).__name__ in entry.error, entry.to_dict()
+            assert ddp_trace._IN_FLIGHT[0] is None
+        assert named.__traceback__ is not None and named.__traceback__.tb_frame.f_code.co_name == "raised"
     finally:
         ddp_trace._IN_FLIGHT[0] = None

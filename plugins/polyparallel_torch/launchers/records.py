@@ -17,7 +17,7 @@ timestamp), plus a ``polyparallel`` record, which is what the launchers read
   :func:`polyparallel_torch.backend_errors.is_timeout`); ``explained``: whether the error itself
   says what every peer was doing (a :class:`polyparallel.CollectiveTimeout` of the strategy's
   operations carries the hang report, the desync error of an identity check names both sides; a
-  backend's own timeout, DDP's in backward, does neither: :func:`explains`);
+  backend's own timeout, DDP's in an unrecorded backward, does neither: :func:`explains`);
 - ``summary``: the error in one line; ``traceback``: all of it.
 
 Function mode writes it as ``<rank>.err.json`` in the launch directory, script mode where

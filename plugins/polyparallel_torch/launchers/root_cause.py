@@ -12,13 +12,15 @@ cause, chosen in this order:
 3. else, when the peers' collectives timed out, the rank they waited for, named as the suspect:
    the lowest one that was frozen (stopped by a signal, SIGSTOP: it cannot run); else, when no
    peer's error already says what every rank was doing (the strategy's own timeouts carry that
-   hang report; a backend's timeout, such as DDP's in backward, does not), the lowest one the
+   hang report, and so does a backend's timeout raised out of a recorded DDP backward once
+   the launcher's worker turned it into one: ``ddp_trace.explained``; a backend's own timeout,
+   such as DDP's with ``POLYPARALLEL_TRACE_DDP=0``, does not), the lowest one the
    launcher found alive but silent (no error of its own: it never called the collective, or is
    stuck outside one);
 4. else the earliest collective failure that is a polyparallel report naming the peers' side (a
    desync error naming both operations, a timeout with its hang report: the record's
    ``explained``), else the earliest collective failure (a backend's own error, such as gloo's
-   timeout raised in DDP's backward, names no peer);
+   timeout raised in an unrecorded DDP backward, names no peer);
 5. else the lowest rank the launcher stopped.
 
 The report is the root cause's line (its error in one line, or how it ended), its whole
