@@ -12,8 +12,8 @@ errors are timeouts: :mod:`.backend_errors`). Collectives run by torch itself ov
 group timeout, but their failures are torch's own errors unless they happen inside a runtime call;
 DDP's gradient all-reduces are recorded once per backward (and identity-checked with
 ``GradPolicy(check_backward=True)``; no communication hook: :mod:`.ddp_trace`), so a desync or a
-silent peer there is reported like a runtime operation's (the bucket all-reduces themselves stay torch's); FSDP2's all-gathers and
-reduce-scatters are recorded (not checked) by custom comms running torch's default inside
+silent peer there is reported like a runtime operation's (the bucket all-reduces themselves stay
+torch's); FSDP2's all-gathers and reduce-scatters are recorded (not checked) by custom comms running torch's default inside
 (:mod:`.fsdp_trace`), their failures raised as the runtime's.
 
 **Broken runtime.** After a :class:`~polyparallel.CollectiveTimeout` or any

@@ -12,8 +12,8 @@ prepares a synchronising backward (grad enabled and ``require_backward_grad_sync
 start of that backward, before any gradient exists and so before any bucket is reduced: there the
 backward's trace entry opens, ``DDP gradient all-reduce`` at the user's ``loss.backward()``
 line (``#N``, its sequence number, when checked), and it stays open until DDP has waited for its
-last bucket (an autograd final callback queued after DDP's own). DDP's buckets travel over a second group of the data ranks
-(:meth:`~polyparallel_torch.runtime.TorchRuntime.ddp_group`), so an operation a rank runs while
+last bucket (an autograd final callback queued after DDP's own). DDP's buckets travel over a
+second group of the data ranks (:meth:`~polyparallel_torch.runtime.TorchRuntime.ddp_group`), so an operation a rank runs while
 its peer is in a backward (``self.log(..., sync_dist=True)`` of a key only one rank logs) never
 pairs with a bucket: it waits, and its timeout's hang report names the peer's backward, its line
 and its stack. (On one group it would pair with a bucket of another size, and gloo aborts the
@@ -115,7 +115,7 @@ def _finish(entry: _trace.Entry | None, error: str | None = None) -> None:
         _IN_FLIGHT[0] = None
 
 
-def _finish_after(entry: _trace.Entry | None, rt: Any) -> Any:
+def _finish_after(entry: _trace.Entry | None) -> Any:
     """A final callback that queues the one finishing ``entry``: queued at the start of backward,
     it runs before DDP's finalize (queued when the last bucket is ready), and the one it queues
     runs after it, once every bucket's reduction is waited for (not at all if that raises: then
@@ -172,7 +172,7 @@ class _Recording:
             entry = rec.enter(OPERATION, "data", None, self.detail, skip=2)
             entry.state = "running"
             _IN_FLIGHT[0] = (entry, rt)
-            callback = _finish_after(entry, rt)
+            callback = _finish_after(entry)
         else:
             return
         if rec is not None:
@@ -188,7 +188,7 @@ def _answer_then_finish(answer: Any, rt: Any) -> Any:
         _, entry = answer()
         if entry is not None:
             _IN_FLIGHT[0] = (entry, rt)
-        _finish_after(entry, rt)()
+        _finish_after(entry)()
 
     return callback
 
@@ -203,8 +203,8 @@ def _describe(ddp: nn.parallel.DistributedDataParallel) -> str:
 def install(ddp: nn.parallel.DistributedDataParallel, rt: Any, check: bool, hook: Any = None) -> None:
     """Record each synchronising backward of ``ddp`` (and with ``check``, the policy's
     ``check_backward``, identity-check it over ``rt``'s data group), unless :func:`enabled` says
-    not; register ``hook`` (a comm hook taking
-    the group as its state: the precision policy's) when given, as DDP's own."""
+    not; register ``hook`` (a comm hook taking the group as its state: the precision policy's)
+    when given, as DDP's own."""
     if hook is not None:
         ddp.register_comm_hook(ddp.process_group, hook)
     if enabled():

@@ -199,7 +199,8 @@ def wrap_ddp(model: nn.Module, rt: TorchRuntime, options: dict[str, Any], strate
     with rt.operation(operation, "data", shapes_digest(model)), rt.collective(operation, "data"):
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group, **kwargs)
 
-    # The bucket all-reduces recorded (and with check_backward identity-checked: .ddp_trace), then reduced by DDP's default
-    # hook or, with reduce_dtype narrower than the gradients, the compress hook (cast, all-reduce, cast back).
+    # The bucket all-reduces recorded (and with check_backward identity-checked: .ddp_trace), then
+    # reduced by DDP's default hook or, with reduce_dtype narrower than the gradients, the compress
+    # hook (cast, all-reduce, cast back).
     install(ddp, rt, strategy.grad_policy.check_backward, ddp_comm_hook(options.get("precision", strategy.precision)))
     return ddp

@@ -14,9 +14,9 @@ the last): at zero=2/3 sharded (units kept gathered between forward and backward
 the runtime mesh's ``("data", "tensor")`` slice, a ``(data, 1)`` mesh (``tensor`` is 1 with a
 pipeline), so parameters stay whole, replicate over ``data`` and backward all-reduces their
 gradients; no process group is made for it. ``strategy.sync_grads(model)`` is then a no-op (with
-``GradPolicy(check_backward=True)``, an identity check); no pipeline path uses the hand-bucketed ``sync_grads``. zero=1 with a
-pipeline is refused before launch: ``ZeroRedundancyOptimizer`` cannot broadcast the stage's
-DTensor parameters ("c10d.broadcast_ does not have a sharding strategy", torch 2.13).
+``GradPolicy(check_backward=True)``, an identity check); no pipeline path uses the
+hand-bucketed ``sync_grads``. zero=1 with a pipeline is refused before launch:
+``ZeroRedundancyOptimizer`` cannot broadcast the stage's DTensor parameters ("c10d.broadcast_ does not have a sharding strategy", torch 2.13).
 Why not DDP at zero=0/1: with the ``PipelineStage`` built around the DDP module, as pipelining
 expects (forward and every micro-batch's backward under ``no_sync``, ``prepare_for_backward``
 before the last), DDP's reducer records each parameter once per micro-batch in its first step
